@@ -1,0 +1,428 @@
+"""One loaded model and its context, driven from one engine thread.
+
+Theory of operation
+-------------------
+A `Session` owns a llama.cpp model and one context made through llama-cpp-python's
+low-level bindings, so that we choose every field of `llama_context_params` (the
+abort callback, and the graph-eval callback the expert streamer feeds on). Every
+method is called from the one engine thread (`bmoe.engine.thread.EngineThread`);
+nothing here is thread-safe except `Turn.cancel`, which is a `threading.Event` the
+abort callback and the decode loop read.
+
+The KV cache holds the tokens of the last prompt plus its answer (`kv_tokens`).
+A new prompt keeps the longest common prefix and prefills only the rest; at least
+one token is always decoded so the sampler has fresh logits.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import llama_cpp as lc
+
+from .errors import EngineError, LoadError
+from .templating import ChatTemplate
+
+SEED_RANDOM = 4294967295
+PREFILL_CHUNK = 512  # tokens per llama_decode during a prefill
+_GGML_LOG_LEVEL_ERROR = 4  # ggml.h enum ggml_log_level
+
+
+class Streamer(Protocol):
+    """What the expert streamer offers the session (see bmoe.engine.experts)."""
+
+    def configure_model_params(self, params: Any) -> None: ...
+    def configure_context_params(self, params: Any) -> None: ...
+    def attach(self, model: Any, ctx: Any) -> None: ...
+    def token_begin(self) -> None: ...
+    def token_end(self) -> dict[str, Any]: ...
+    def summary(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class TokenEvent:
+    step: int            # 1-based index of the generated token
+    token: int
+    text: str            # decoded text of this token (UTF-8 held back to whole chars)
+    wall_ms: float
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Generation:
+    finish: str                      # "stop" | "length" | "cancelled"
+    tokens: list[int]
+    text: str
+    n_prompt: int                    # whole prompt the answer was conditioned on
+    n_cached: int                    # prompt tokens the KV already held
+    n_prefilled: int
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    n_past: int                      # context used after the turn
+    budget_cut_by_context: bool = False
+    requested_budget: int = 0
+
+
+_log_callback_ref = None
+_backend_ready = False
+_backend_lock = threading.Lock()
+
+
+def _quiet_llama_logs() -> None:
+    """Route llama.cpp's logs: errors to stderr, the rest dropped."""
+    global _log_callback_ref, _backend_ready
+    with _backend_lock:
+        if _backend_ready:
+            return
+
+        @lc.llama_log_callback
+        def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            if level == _GGML_LOG_LEVEL_ERROR and os.environ.get("BMOE_LLAMA_LOG", "1") != "0":
+                os.write(2, b"llama.cpp: " + text)
+
+        _log_callback_ref = _log
+        lc.llama_log_set(_log, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+def _meta(model: Any, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(4096)
+    n = lc.llama_model_meta_val_str(model, key.encode(), buf, ctypes.sizeof(buf))
+    if n < 0:
+        return None
+    return buf.value.decode("utf-8", "replace")
+
+
+class Session:
+    def __init__(self, model_path: str | os.PathLike[str], values: dict[str, Any],
+                 streamer_factory: Callable[["Session"], Streamer | None] | None = None) -> None:
+        _quiet_llama_logs()
+        self.path = Path(model_path)
+        self.values = dict(values)
+        self.kv_tokens: list[int] = []
+        self._abort_flag: threading.Event | None = None
+        t0 = time.monotonic()
+        self.model = None
+        self.ctx = None
+        self.streamer: Streamer | None = None
+        self._batch = None
+        try:
+            self._open(streamer_factory)
+        except BaseException:
+            self.close()
+            raise
+        self.load_s = time.monotonic() - t0
+
+    # -- loading -----------------------------------------------------------
+
+    def _open(self, streamer_factory: Callable[["Session"], Streamer | None] | None) -> None:
+        if not self.path.is_file():
+            raise LoadError(f"The model file {self.path} does not exist.")
+        self.arch = ""
+        self.streamer = streamer_factory(self) if streamer_factory else None
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        mparams.load_mode = lc.LLAMA_LOAD_MODE_MMAP
+        if self.streamer is not None:
+            self.streamer.configure_model_params(mparams)
+        self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self.model:
+            raise LoadError(f"llama.cpp could not load {self.path.name}: not a model file it reads.")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.arch = _meta(self.model, "general.architecture") or ""
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
+        used = _meta(self.model, f"{self.arch}.expert_used_count")
+        self.n_expert_used = int(used) if used and used.isdigit() else 0
+        count = _meta(self.model, f"{self.arch}.expert_count")
+        self.n_expert = int(count) if count and count.isdigit() else 0
+        self._make_context()
+        self._setup_template()
+
+    def _make_context(self) -> None:
+        cparams = lc.llama_context_default_params()
+        n_ctx = int(self.values.get("ctx-size") or 4096)
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = min(n_ctx, PREFILL_CHUNK)
+        cparams.n_ubatch = min(n_ctx, PREFILL_CHUNK)
+        threads = int(self.values.get("threads") or os.cpu_count() or 1)
+        tb = int(self.values.get("threads-batch") or 0) or threads
+        cparams.n_threads = threads
+        cparams.n_threads_batch = tb
+        cparams.no_perf = True
+
+        @lc.ggml_abort_callback
+        def _abort(_data: ctypes.c_void_p) -> bool:
+            flag = self._abort_flag
+            return bool(flag is not None and flag.is_set())
+
+        self._abort_ref = _abort
+        cparams.abort_callback = _abort
+        cparams.abort_callback_data = None
+        if self.streamer is not None:
+            self.streamer.configure_context_params(cparams)
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise LoadError(f"llama.cpp could not create a context of {n_ctx} tokens "
+                            "(lower {ctx-size}).")
+        self.n_ctx = lc.llama_n_ctx(self.ctx)
+        self.n_batch = min(self.n_ctx, PREFILL_CHUNK)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.compute_threads = threads
+        if self.streamer is not None:
+            self.streamer.attach(self.model, self.ctx)
+
+    def _setup_template(self) -> None:
+        raw = lc.llama_model_chat_template(self.model, None)
+        self.template_text = raw.decode("utf-8", "replace") if raw else ""
+        self.eos_token = self.token_text(lc.llama_vocab_eos(self.vocab))
+        bos = lc.llama_vocab_bos(self.vocab)
+        self.bos_token = self.token_text(bos) if bos >= 0 else ""
+        self.template = (ChatTemplate(self.template_text, bos_token=self.bos_token,
+                                      eos_token=self.eos_token)
+                         if self.template_text else None)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            lc.llama_model_free(self.model)
+            self.model = None
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+
+    # -- text ----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
+        return buf.raw[:n]
+
+    def token_text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               enable_thinking: bool = True, add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise EngineError("needs_chat_mode", "This model has no chat template; it cannot chat.")
+        return self.template.render(messages, tools=tools, enable_thinking=enable_thinking,
+                                    add_generation_prompt=add_generation_prompt)
+
+    # -- decoding ------------------------------------------------------------
+
+    def _sampler(self, grammar: str | None) -> Any:
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if grammar:
+            g = lc.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+            if not g:
+                lc.llama_sampler_free(chain)
+                raise EngineError("invalid_request", "The output grammar could not be built "
+                                  "from this schema or tool list.")
+            lc.llama_sampler_chain_add(chain, g)
+        temp = float(self.values.get("temp") or 0.0)
+        if temp <= 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+            return chain
+        top_k = int(self.values.get("top-k", 40))
+        top_p = float(self.values.get("top-p", 0.95))
+        seed = int(self.values.get("seed", SEED_RANDOM))
+        if top_k > 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+        return chain
+
+    def _decode(self, tokens: list[int], pos0: int, want_logits: bool) -> None:
+        """Decode `tokens` at positions pos0.. in chunks; raises on abort or failure."""
+        b = self._batch
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            n = len(chunk)
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = pos0 + start + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = 0
+            last = start + n == len(tokens)
+            if last and want_logits:
+                b.logits[n - 1] = 1
+            b.n_tokens = n
+            rc = lc.llama_decode(self.ctx, b)
+            if rc == 2:
+                raise _Aborted(pos0 + start)
+            if rc != 0:
+                raise EngineError("failed", f"llama_decode failed with code {rc}.")
+
+    def _reuse_prefix(self, prompt: list[int]) -> int:
+        n = 0
+        limit = min(len(prompt) - 1, len(self.kv_tokens))
+        kv = self.kv_tokens
+        while n < limit and kv[n] == prompt[n]:
+            n += 1
+        if n < len(kv):
+            lc.llama_memory_seq_rm(self.memory, 0, n, -1)
+            del self.kv_tokens[n:]
+        return n
+
+    def prefill(self, prompt: list[int], cancel: threading.Event) -> tuple[int, float]:
+        """Bring the KV to `prompt` (all but nothing left to decode); returns (reused, seconds)."""
+        t0 = time.monotonic()
+        reused = self._reuse_prefix(prompt)
+        self._abort_flag = cancel
+        try:
+            self._decode(prompt[reused:], reused, want_logits=True)
+        except _Aborted:
+            lc.llama_memory_seq_rm(self.memory, 0, reused, -1)
+            raise
+        finally:
+            self._abort_flag = None
+        self.kv_tokens = list(prompt)
+        return reused, time.monotonic() - t0
+
+    def generate(self, prompt: list[int], *, max_tokens: int, cancel: threading.Event,
+                 on_token: Callable[[TokenEvent], None], grammar: str | None = None) -> Generation:
+        """Prefill `prompt` (reusing the KV prefix) and decode up to `max_tokens` tokens.
+
+        `max_tokens` 0 means no ceiling but the context. Raises EngineError before any
+        token when the prompt leaves no room.
+        """
+        if not prompt:
+            raise EngineError("empty_prompt", "The prompt is empty.")
+        room = self.n_ctx - len(prompt)
+        if room <= 0:
+            raise EngineError("context_full",
+                              f"The prompt is {len(prompt)} tokens and the context ({{ctx-size}}) "
+                              f"holds {self.n_ctx}: no room for an answer. Raise {{ctx-size}} "
+                              "or shorten the conversation.")
+        budget = room if max_tokens <= 0 else min(max_tokens, room)
+        sampler = self._sampler(grammar)
+        t_start = time.monotonic()
+        try:
+            try:
+                reused, prefill_s = self.prefill(prompt, cancel)
+            except _Aborted:
+                return Generation("cancelled", [], "", len(prompt), 0, 0,
+                                  time.monotonic() - t_start, 0.0, 0.0, len(self.kv_tokens))
+            return self._decode_loop(prompt, budget, max_tokens, reused, prefill_s, t_start,
+                                     sampler, cancel, on_token)
+        finally:
+            lc.llama_sampler_free(sampler)
+
+    def _decode_loop(self, prompt: list[int], budget: int, max_tokens: int, reused: int,
+                     prefill_s: float, t_start: float, sampler: Any, cancel: threading.Event,
+                     on_token: Callable[[TokenEvent], None]) -> Generation:
+        out: list[int] = []
+        pieces: list[str] = []
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        finish = "length"
+        t_decode = time.monotonic()
+        ttft = 0.0
+        self._abort_flag = cancel
+        try:
+            while len(out) < budget:
+                if cancel.is_set():
+                    finish = "cancelled"
+                    break
+                t0 = time.monotonic()
+                if self.streamer is not None:
+                    self.streamer.token_begin()
+                tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
+                if self.is_eog(tok):
+                    finish = "stop"
+                    break
+                out.append(tok)
+                text = decoder.decode(self.token_bytes(tok))
+                pieces.append(text)
+                if len(out) < budget:
+                    try:
+                        self._decode([tok], len(self.kv_tokens), want_logits=True)
+                    except _Aborted:
+                        lc.llama_memory_seq_rm(self.memory, 0, len(self.kv_tokens), -1)
+                        finish = "cancelled"
+                        # the sampled token was shown to nobody yet: report it, but the
+                        # KV does not hold it.
+                        self._emit(on_token, len(out), tok, text, t0, budget)
+                        break
+                    self.kv_tokens.append(tok)
+                if not ttft:
+                    ttft = time.monotonic() - t_start
+                self._emit(on_token, len(out), tok, text, t0, budget)
+        finally:
+            self._abort_flag = None
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            pieces.append(tail)
+        n_past = len(self.kv_tokens)
+        return Generation(
+            finish=finish, tokens=out, text="".join(pieces), n_prompt=len(prompt),
+            n_cached=reused, n_prefilled=len(prompt) - reused, prefill_s=prefill_s,
+            decode_s=time.monotonic() - t_decode, ttft_s=ttft, n_past=n_past,
+            budget_cut_by_context=(finish == "length" and (max_tokens <= 0 or max_tokens > budget)),
+            requested_budget=max_tokens,
+        )
+
+    def _emit(self, on_token: Callable[[TokenEvent], None], step: int, tok: int, text: str,
+              t0: float, budget: int) -> None:
+        telemetry = self.streamer.token_end() if self.streamer is not None else {}
+        on_token(TokenEvent(step=step, token=tok, text=text,
+                            wall_ms=(time.monotonic() - t0) * 1000.0, telemetry=telemetry))
+
+    def logits_row(self) -> Any:
+        """The last decoded position's logits as a numpy array (a copy)."""
+        import numpy as np
+        ptr = lc.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def truncate_kv(self, n: int) -> None:
+        """Forget every KV position from `n` on (a turn rolled back)."""
+        if n < len(self.kv_tokens):
+            lc.llama_memory_seq_rm(self.memory, 0, n, -1)
+            del self.kv_tokens[n:]
+
+    def clear_kv(self) -> None:
+        lc.llama_memory_clear(self.memory, True)
+        self.kv_tokens = []
+
+
+class _Aborted(Exception):
+    """llama_decode stopped at the abort callback's request."""
+
+    def __init__(self, pos: int) -> None:
+        super().__init__(pos)
+        self.pos = pos

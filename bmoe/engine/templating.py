@@ -1,0 +1,75 @@
+"""Rendering a conversation through the model's own chat template.
+
+The template is the Jinja text stored in the GGUF (`tokenizer.chat_template`). It is
+rendered the way llama.cpp's server and Hugging Face's transformers render it: a
+sandboxed Jinja environment with `trim_blocks`/`lstrip_blocks`, `raise_exception`,
+`strftime_now` and a `tojson` that keeps non-ASCII text as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(Exception):
+    """The template refused the conversation (it called raise_exception or failed)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    def __init__(self, text: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        env = ImmutableSandboxedEnvironment(
+            loader=jinja2.BaseLoader(),
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.text = text
+        self._template = env.from_string(text)
+        self._bos = bos_token
+        self._eos = eos_token
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        kwargs: dict[str, Any] = dict(extra or {})
+        kwargs.update(
+            messages=messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            bos_token=self._bos,
+            eos_token=self._eos,
+        )
+        try:
+            return self._template.render(**kwargs)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"The model's chat template failed: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise TemplateError(f"The model's chat template could not render this conversation: {e}") from e

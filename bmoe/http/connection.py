@@ -1,0 +1,499 @@
+"""One connection's life: bytes in through h11, one handler call per request, bytes out.
+
+The loop, per request (keep-alive repeats it; ``start_next_cycle`` between):
+
+    idle ── first byte ──► head ──► access + route ──► body ──► handler ──► response
+     │ KEEPALIVE_IDLE_S     └──── READ_TIMEOUT_S (408) ────┘      │ watched   │ WRITE_TIMEOUT_S
+     └ or a queued connection needs this worker (after the first request)    per write
+
+* The head is held to ``MAX_HEADER_BYTES`` (h11 says 431); anything h11 refuses is
+  answered with its hint (400, or 431; a 5xx hint is sent as 400: client garbage is
+  never a server error) and the connection is closed.
+* A refusal before the body was read (401, 403, 404, 503 of a full limiter ...)
+  throws away a small body to keep the connection, else closes it. Closing while a
+  client is still sending lingers briefly (``send_eof`` and drain), so the client reads
+  our answer instead of a reset.
+* While a handler runs (and while a ``StreamResponse`` produces), a reader task watches
+  the socket: end of file or a reset cancels exactly that handler ("cancel on
+  disconnect"). Bytes of a pipelined next request are kept for later, up to
+  ``PIPELINE_BUFFER_BYTES``; past that they are dropped (the reader keeps watching)
+  and the connection closes after this answer, as a pipelining client must expect.
+* Every write has ``WRITE_TIMEOUT_S``; a write that cannot finish marks the connection
+  broken, cancels the producer and closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+from urllib.parse import parse_qsl, unquote
+
+import h11
+import trio
+
+from . import limits
+from .errors import HTTPError, internal_error, sole_exception
+from .routes import Dispatch
+from .sse import SSE_CONTENT_TYPE, sse_error
+from .types import Request, Response, StreamResponse
+
+log = logging.getLogger("bmoe.http")
+
+Address = tuple[str, int]
+T = TypeVar("T")
+
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "font-src 'self'; connect-src 'self'; media-src 'none'; object-src 'none'; "
+    "frame-src 'self' blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = [
+    ("Content-Security-Policy", CONTENT_SECURITY_POLICY),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+    ("X-Frame-Options", "DENY"),
+]
+# Framing is the connection's business, never a handler's.
+_FRAMING_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
+                    "upgrade", "content-type"}
+# Refusals after which the connection is closed rather than reused.
+_CLOSING_STATUSES = {400, 408, 413, 431}
+
+
+class App(Protocol):
+    """What a connection needs from the application (``server.HttpApp``)."""
+
+    def dispatch(self, request: Request) -> Dispatch: ...
+
+    async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse: ...
+
+    def error_response(self, path: str, err: HTTPError) -> Response: ...
+
+
+class PeerGone(Exception):
+    """The client left, or stopped reading for longer than the write timeout."""
+
+
+class QueuePressure:
+    """Lets idle keep-alive connections give their workers to queued connections:
+    one idle connection per queued one, not every idle connection at once."""
+
+    def __init__(self, queued: Callable[[], int]) -> None:
+        self._queued = queued
+        self._claimed = 0                 # idle connections already giving way
+        self._event = trio.Event()
+
+    def notify(self) -> None:
+        """A connection was queued (or a claim was given back): idle ones look again."""
+        self._event.set()
+        self._event = trio.Event()
+
+    async def claim(self) -> None:
+        """Return once a queued connection waits that no other idle one gives way for."""
+        while True:
+            event = self._event
+            if self._queued() > self._claimed:
+                self._claimed += 1
+                return
+            await event.wait()
+
+    def release(self, *, renotify: bool = False) -> None:
+        self._claimed -= 1
+        if renotify:
+            self.notify()
+
+
+def bad_request(message: str) -> HTTPError:
+    return HTTPError(400, "bad_request", message)
+
+
+def too_large(limit: int) -> HTTPError:
+    return HTTPError(413, "too_large", f"The request body is over this route's limit of {limit} bytes.")
+
+
+def timed_out() -> HTTPError:
+    return HTTPError(408, "timeout", "The request did not arrive in time.")
+
+
+def malformed(exc: h11.RemoteProtocolError) -> HTTPError:
+    status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
+    code = "headers_too_large" if status == 431 else "bad_request"
+    return HTTPError(status, code, f"The request is not valid HTTP/1.1: {str(exc)[:200]}")
+
+
+def _too_long(content_length: str | None, limit: int) -> bool:
+    """A Content-Length (h11 checked it is digits) over ``limit``."""
+    return content_length is not None and (len(content_length) > 18 or int(content_length) > limit)
+
+
+def head_size(event: h11.Request) -> int:
+    """About the bytes of the head as sent: h11 bounds only a head still incomplete,
+    so a large head that arrives whole is measured here."""
+    return len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers) + 16
+
+
+def build_request(event: h11.Request, peer: Address, local: Address) -> Request:
+    """The Request for an h11 head (body still empty); HTTPError 400 if unusable."""
+    if event.http_version not in (b"1.0", b"1.1"):
+        raise bad_request("Only HTTP/1.0 and HTTP/1.1 are spoken here.")
+    names = {name for name, _ in event.headers}
+    if b"transfer-encoding" in names and b"content-length" in names:
+        raise bad_request("Content-Length and Transfer-Encoding together are refused.")
+    try:
+        target = event.target.decode("ascii")
+        raw_path, _, raw_query = target.partition("?")
+        path = unquote(raw_path, errors="strict")
+        query = dict(parse_qsl(raw_query, keep_blank_values=True, errors="strict",
+                               max_num_fields=limits.MAX_QUERY_FIELDS))
+    except ValueError:
+        raise bad_request("The request target is not valid (percent-encoded UTF-8 expected).") from None
+    if not raw_path.startswith("/"):
+        raise bad_request("The request target must be a path.")
+    headers = [(n.decode("ascii"), v.decode("latin-1")) for n, v in event.headers]
+    if head_size(event) > limits.MAX_HEADER_BYTES:
+        raise HTTPError(431, "headers_too_large", "The request head is too large.")
+    return Request(method=event.method.decode("ascii"), target=target, path=path, query=query,
+                   headers=headers, body=b"", peer=peer, local=local)
+
+
+def response_headers(
+    status: int, content_type: str, extra: list[tuple[str, str]], *, length: int | None, close: bool
+) -> list[tuple[bytes, bytes]]:
+    """Security headers (a handler may replace one by naming it), type, length, extras."""
+    named = {k.lower() for k, _ in extra}
+    headers = [(k, v) for k, v in SECURITY_HEADERS if k.lower() not in named]
+    if content_type and status not in (204, 304):
+        headers.append(("Content-Type", content_type))
+    headers += [(k, v) for k, v in extra if k.lower() not in _FRAMING_HEADERS]
+    if length is not None and status not in (204, 304):
+        headers.append(("Content-Length", str(length)))
+    if close:
+        headers.append(("Connection", "close"))
+    return [(k.encode("ascii"), v.encode("latin-1")) for k, v in headers]
+
+
+class Connection:
+    def __init__(self, app: App, stream: trio.abc.Stream, peer: Address, local: Address,
+                 pressure: QueuePressure | None = None) -> None:
+        self.app = app
+        self.stream = stream
+        self.peer = peer
+        self.local = local
+        self.pressure = pressure
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.MAX_HEADER_BYTES)
+        self.deadline = math.inf          # of the request being read
+        self.served = 0                   # requests answered on this connection
+        self.broken = False               # a write failed: nothing more can be sent
+        self.peer_gone = False            # the reader saw the client leave
+        self.overflowed = False           # pipelined bytes were dropped: close after this answer
+        self.linger = False               # refused a request still arriving: drain before closing
+        self.gave_way = False             # closing to free this worker for a queued connection
+        self.watch_scope: trio.CancelScope | None = None
+
+    # --- the loop ------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        try:
+            while await self._serve_next():
+                self.served += 1
+                self.h11.start_next_cycle()
+        except Exception as exc:
+            if not isinstance(sole_exception(exc), PeerGone):
+                log.exception("HTTP connection from %s failed", self.peer[0])
+                await self._try_send_internal_error()
+        finally:
+            await self._close()
+
+    async def _serve_next(self) -> bool:
+        """Serve one request; True when the connection can carry another."""
+        if not await self._await_request_start():
+            return False
+        self.deadline = trio.current_time() + limits.READ_TIMEOUT_S
+        try:
+            event = await self._next_event()
+        except h11.RemoteProtocolError as exc:
+            return await self._refuse(None, malformed(exc))
+        except trio.TooSlowError:
+            return await self._refuse(None, timed_out())
+        if not isinstance(event, h11.Request):
+            return False
+        return await self._serve_request(event)
+
+    async def _serve_request(self, event: h11.Request) -> bool:
+        request: Request | None = None
+        try:
+            request = build_request(event, self.peer, self.local)
+            dispatch = self.app.dispatch(request)
+            with dispatch.hold():
+                await self._read_body(request, dispatch.body_limit)
+                return await self._answer(dispatch, request)
+        except HTTPError as err:
+            return await self._refuse(request, err)
+        except h11.RemoteProtocolError as exc:
+            return await self._refuse(request, malformed(exc))
+        except trio.TooSlowError:
+            return await self._refuse(request, timed_out())
+
+    def _cycle_done(self) -> bool:
+        return (not self.broken and not self.overflowed and self.h11.our_state is h11.DONE
+                and self.h11.their_state is h11.DONE)
+
+    # --- reading -------------------------------------------------------------------
+
+    async def _receive_some(self) -> bytes:
+        """Bytes from the client; b"" at its end of file or when the socket failed."""
+        try:
+            data = await self.stream.receive_some(limits.RECV_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+        return data if isinstance(data, bytes) else bytes(data)
+
+    async def _await_request_start(self) -> bool:
+        """Wait, idle, for the next request's first byte; False to close instead."""
+        buffered, closed = self.h11.trailing_data
+        if buffered or closed:
+            return True
+        data = None
+        with trio.move_on_after(limits.KEEPALIVE_IDLE_S):
+            data = await self._receive_or_give_way()
+        if data is None:
+            return False
+        self.h11.receive_data(data)
+        return True
+
+    async def _receive_or_give_way(self) -> bytes | None:
+        """The next bytes, or None when a queued connection needs this worker more.
+        A fresh connection is never given up before its first request."""
+        pressure = self.pressure
+        if pressure is None or self.served == 0:
+            return await self._receive_some()
+        got: list[bytes] = []
+        claimed = False
+        try:
+            async with trio.open_nursery() as nursery:
+                async def receive() -> None:
+                    got.append(await self._receive_some())
+                    nursery.cancel_scope.cancel()
+
+                async def give_way() -> None:
+                    nonlocal claimed
+                    await pressure.claim()
+                    claimed = True
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(receive)
+                nursery.start_soon(give_way)
+        finally:
+            if claimed and got:
+                pressure.release(renotify=True)   # a request came after all: serve it
+            self.gave_way = claimed and not got   # released once this socket is closed
+        return got[0] if got else None
+
+    async def _next_event(self) -> Any:
+        """The next h11 event, reading under the request's deadline (TooSlowError)."""
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            with trio.fail_at(self.deadline):
+                data = await self._receive_some()
+            self.h11.receive_data(data)
+
+    async def _read_body(self, request: Request, limit: int) -> None:
+        declared = request.header("content-length")
+        if _too_long(declared, limit):
+            raise too_large(limit)
+        if self.h11.they_are_waiting_for_100_continue:
+            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        body = bytearray()
+        while not isinstance(event := await self._next_event(), h11.EndOfMessage):
+            if not isinstance(event, h11.Data):
+                raise h11.RemoteProtocolError("the request body ended early", error_status_hint=400)
+            body += event.data
+            if len(body) > limit:
+                raise too_large(limit)
+        request.body = bytes(body)
+
+    async def _drain(self, request: Request | None) -> bool:
+        """Read and drop the rest of a refused request's small body; True if done."""
+        if self.h11.their_state is h11.DONE:
+            return True
+        declared = request.header("content-length") if request else None
+        if (request is None or self.h11.they_are_waiting_for_100_continue
+                or _too_long(declared, limits.DISCARD_BODY_BYTES)):
+            return False
+        dropped = 0
+        try:
+            while not isinstance(event := await self._next_event(), h11.EndOfMessage):
+                dropped += len(getattr(event, "data", b""))
+                if dropped > limits.DISCARD_BODY_BYTES or not isinstance(event, h11.Data):
+                    return False
+        except (h11.RemoteProtocolError, trio.TooSlowError):
+            return False
+        return True
+
+    # --- the handler, watched ------------------------------------------------------
+
+    async def _watched(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
+        """``await fn(*args)`` while a reader task watches for the client leaving;
+        None when it left (fn was cancelled)."""
+        result: T | None = None
+        async with trio.open_nursery() as nursery:
+            self.watch_scope = nursery.cancel_scope
+            nursery.start_soon(self._watch_peer)
+            result = await fn(*args)
+            nursery.cancel_scope.cancel()
+        self.watch_scope = None
+        return None if self.peer_gone else result
+
+    async def _watch_peer(self) -> None:
+        while data := await self._receive_some():
+            if self.overflowed or len(self.h11.trailing_data[0]) + len(data) > limits.PIPELINE_BUFFER_BYTES:
+                # Too much sent ahead: keep watching, drop it, close after this answer.
+                self.overflowed = True
+                continue
+            self.h11.receive_data(data)
+        self.peer_gone = True
+        self._cancel_watched()
+
+    def _cancel_watched(self) -> None:
+        if self.watch_scope is not None:
+            self.watch_scope.cancel()
+
+    async def _answer(self, dispatch: Dispatch, request: Request) -> bool:
+        response = await self._watched(self.app.call, dispatch, request)
+        if response is None:
+            return False
+        head_only = request.method == "HEAD"
+        if isinstance(response, StreamResponse):
+            await self._send_stream(response, request, head_only)
+        else:
+            await self._send_response(response, head_only=head_only, close=False)
+        return self._cycle_done()
+
+    # --- writing -------------------------------------------------------------------
+
+    async def _write(self, data: bytes) -> None:
+        if self.broken:
+            raise PeerGone
+        failed = False
+        with trio.move_on_after(limits.WRITE_TIMEOUT_S) as scope:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                failed = True
+        if failed or scope.cancelled_caught:
+            self.broken = True
+            self._cancel_watched()
+            raise PeerGone
+
+    async def _send(self, event: Any) -> None:
+        data = self.h11.send(event)
+        if data:
+            await self._write(data)
+
+    def _head(self, status: int, content_type: str, extra: list[tuple[str, str]],
+              length: int | None, close: bool) -> h11.Response:
+        return h11.Response(status_code=status, headers=response_headers(
+            status, content_type, extra, length=length, close=close))
+
+    async def _send_response(self, response: Response, *, head_only: bool, close: bool) -> None:
+        try:
+            head = self._head(response.status, response.content_type, response.headers,
+                              len(response.body), close)
+        except (h11.LocalProtocolError, UnicodeError, ValueError):
+            log.exception("a handler's response could not be sent")
+            response = self.app.error_response("", internal_error())
+            head = self._head(response.status, response.content_type, response.headers,
+                              len(response.body), close)
+        await self._send(head)
+        if response.body and not head_only and response.status not in (204, 304):
+            await self._send(h11.Data(data=response.body))
+        await self._send(h11.EndOfMessage())
+
+    async def _send_stream(self, response: StreamResponse, request: Request, head_only: bool) -> None:
+        await self._send(self._head(response.status, response.content_type, response.headers,
+                                    None, False))
+        if head_only or await self._watched(self._produce, response, request):
+            await self._send(h11.EndOfMessage())
+
+    async def _produce(self, response: StreamResponse, request: Request) -> bool:
+        """Run the producer; True when the body may end normally."""
+        async def send(data: bytes) -> None:
+            if data:
+                await self._send(h11.Data(data=data))
+
+        try:
+            await response.produce(send)
+            return True
+        except Exception as exc:
+            leaf = sole_exception(exc)
+            if isinstance(leaf, PeerGone):
+                return False
+            if not isinstance(leaf, HTTPError):
+                log.error("stream of %s %s failed", request.method, request.path, exc_info=exc)
+                leaf = internal_error()
+            return await self._stream_failed(response, leaf)
+
+    async def _stream_failed(self, response: StreamResponse, err: HTTPError) -> bool:
+        """An event stream ends with one error chunk; any other body is cut short so the
+        client cannot take it for a whole one."""
+        if not response.content_type.startswith(SSE_CONTENT_TYPE):
+            return False
+        await self._send(h11.Data(data=sse_error(err.message, err.code)))
+        return True
+
+    # --- refusing and closing ------------------------------------------------------
+
+    async def _refuse(self, request: Request | None, err: HTTPError) -> bool:
+        """Answer a refusal; True when the connection can carry another request."""
+        if self.broken or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return False
+        keep = err.status not in _CLOSING_STATUSES and await self._drain(request)
+        self.linger = not keep and self.h11.their_state is not h11.DONE
+        path = request.path if request else ""
+        head_only = request is not None and request.method == "HEAD"
+        await self._send_response(self.app.error_response(path, err), head_only=head_only, close=not keep)
+        return keep and self._cycle_done()
+
+    async def _try_send_internal_error(self) -> None:
+        if self.broken or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        try:
+            response = self.app.error_response("", internal_error())
+            await self._send_response(response, head_only=False, close=True)
+        except Exception:
+            pass
+
+    async def _close(self) -> None:
+        if self.linger and not (self.broken or self.peer_gone):
+            await self._linger()
+        await trio.aclose_forcefully(self.stream)
+        if self.gave_way and self.pressure is not None:
+            self.pressure.release()
+
+    async def _linger(self) -> None:
+        """Half-close and drain what a refused client still sends, so it reads our
+        answer instead of a reset."""
+        if not isinstance(self.stream, trio.abc.HalfCloseableStream):
+            return
+        with trio.move_on_after(limits.LINGER_S):
+            try:
+                await self.stream.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            received = 0
+            while received < limits.LINGER_BYTES:
+                data = await self._receive_some()
+                if not data:
+                    return
+                received += len(data)
+
+
+async def serve_connection(app: App, stream: trio.abc.Stream, *, peer: Address = ("127.0.0.1", 0),
+                           local: Address = ("127.0.0.1", 0),
+                           pressure: QueuePressure | None = None) -> None:
+    """Serve every request of one connection, then close it."""
+    await Connection(app, stream, peer, local, pressure).serve()

@@ -1,0 +1,44 @@
+"""Every limit of the HTTP layer, named once, with its unit.
+
+Code reads these as ``limits.NAME`` at the moment it needs them (never
+``from .limits import NAME``), so a test can patch one with ``monkeypatch``.
+"""
+
+from __future__ import annotations
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# Workers and the queue in front of them (see server.py's theory of operation).
+WORKERS = 32                  # connections served at once; each request holds one for its life
+ACCEPT_QUEUE = 64             # connections waiting for a worker; the next one is closed at once
+LISTEN_BACKLOG = 128          # the kernel's accept backlog, ahead of our own queue
+ACCEPT_RETRY_S = 0.1          # pause after accept() fails for lack of file descriptors
+
+# Request size.
+BODY_LIMIT_BYTES = 8 * MIB            # default body cap of a route: 413 past it
+BIG_BODY_LIMIT_BYTES = 64 * MIB       # chat / messages / responses routes (images)
+MAX_HEADER_BYTES = 64 * KIB           # a request head still incomplete past this: 431
+DISCARD_BODY_BYTES = 64 * KIB         # body read and thrown away after a refusal, to keep the connection
+PIPELINE_BUFFER_BYTES = 64 * KIB      # bytes of a pipelined next request buffered while a handler runs
+RECV_BYTES = 64 * KIB                 # one receive_some() call
+MAX_QUERY_FIELDS = 1000               # name=value pairs in a query string: 400 past it
+
+# Time.
+READ_TIMEOUT_S = 60.0         # a request's head and body, from its first byte (slow senders: 408);
+                              # 60 s lets a 64 MiB body arrive at about 1.1 MiB/s
+KEEPALIVE_IDLE_S = 30.0       # an idle connection waiting for its next request (sooner when others queue)
+WRITE_TIMEOUT_S = 5.0         # one write to a client; a reader that stops reading is dropped after it
+LINGER_S = 2.0                # after refusing a request whose body is still arriving: drain, then close
+LINGER_BYTES = 64 * MIB       # ... at most this much of it
+PARENT_POLL_S = 1.0           # --parent-pid: how often the parent is looked for
+
+# TCP keep-alive, set on the listening socket so that accepted sockets inherit it (Linux).
+TCP_KEEPIDLE_S = 15           # idle time before the first probe
+TCP_KEEPINTVL_S = 5           # between probes
+TCP_KEEPCNT = 3               # unanswered probes before the connection is dropped
+TCP_USER_TIMEOUT_S = 60       # data left unacknowledged this long drops the connection
+
+# Routes that hold a worker for long (their limiters are built by the route owners).
+EVENT_STREAMS = 8             # open GET /api/events streams: the next gets 503 streams_full
+TURN_WAITING = 16             # chat / decide turns waiting behind the running one: the next gets 503 busy

@@ -1,0 +1,244 @@
+"""The HTTP server: listening sockets, the worker pool, and the application object.
+
+Theory of operation
+-------------------
+
+``serve_http`` binds the listening sockets (port 0 takes a free port, which it hands
+to ``task_status.started``) and sets TCP keep-alive on them, so that accepted
+sockets inherit it (Linux clones a listener's TCP options into each connection).
+Then, in one nursery::
+
+    accept loop ──send_nowait──► memory channel (ACCEPT_QUEUE) ──► WORKERS worker tasks
+        │ channel full: close the new connection at once          │ one connection at a time,
+        └ queued: notify idle keep-alive connections to give way   │ each in its own nursery
+
+A worker owns one connection at a time (``connection.Connection``), so WORKERS is
+the number of requests in flight and each request holds a worker for its whole life.
+Connections beyond that wait in the channel, first come first served; the next one
+past ACCEPT_QUEUE is closed without a word. A keep-alive connection idle between two
+requests gives its worker up as soon as a connection is queued (one idle connection
+per queued one, ``connection.QueuePressure``); a fresh connection is not given up
+before its first request.
+
+``HttpApp`` is what a connection calls: ``dispatch`` runs the access checks
+(``access.check_access``) and then the route table (static files from ``static_dir``
+for the paths no route claims outside ``/api`` and ``/v1``); ``call`` runs the
+handler and turns what it raises into a response: an ``HTTPError`` into its JSON (or
+the shape ``error_shaper`` gives it), anything else into a 500 ``internal`` whose
+traceback goes to the log (stderr), never to the client.
+
+Stopping: cancel the scope around ``serve_http``; every connection's handler is
+cancelled with it and every socket closed. ``watch_parent`` does that when a
+``--parent-pid`` process ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import socket as stdsocket
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from . import limits
+from .access import AccessPolicy, check_access, is_api_path
+from .connection import QueuePressure, serve_connection
+from .errors import HTTPError, internal_error, sole_exception
+from .parent import watch_parent
+from .routes import Dispatch, RouteTable
+from .static import StaticFiles
+from .types import Request, Response, StreamResponse
+
+log = logging.getLogger("bmoe.http")
+
+ErrorShaper = Callable[[str, HTTPError], "Response | None"]
+
+
+class HttpApp:
+    def __init__(self, routes: RouteTable, policy: AccessPolicy, static_dir: Path | None = None,
+                 error_shaper: ErrorShaper | None = None) -> None:
+        self.routes = routes
+        self.policy = policy
+        self.static = StaticFiles(static_dir) if static_dir is not None else None
+        self.error_shaper = error_shaper
+
+    def dispatch(self, request: Request) -> Dispatch:
+        """Access checks, then the route (or a static file); HTTPError if refused."""
+        check_access(request, self.policy)
+        try:
+            found = self.routes.match(request.method, request.raw_path)
+        except HTTPError as err:
+            if err.status != 404 or self.static is None or not self._may_be_static(request):
+                raise
+            return Dispatch(self.static, limits.BODY_LIMIT_BYTES)
+        request.path_params = found.params
+        return found
+
+    @staticmethod
+    def _may_be_static(request: Request) -> bool:
+        return request.method in ("GET", "HEAD") and not is_api_path(request.path)
+
+    async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse:
+        try:
+            return await dispatch.handler(request)
+        except Exception as exc:
+            leaf = sole_exception(exc)
+            if not isinstance(leaf, HTTPError):
+                log.error("%s %s failed", request.method, request.path, exc_info=exc)
+                leaf = internal_error()
+            return self.error_response(request.path, leaf)
+
+    def error_response(self, path: str, err: HTTPError) -> Response:
+        """The error's JSON, or the route family's own shape of it."""
+        shaped = self._shaped(path, err)
+        if shaped is None:
+            return Response.json({"error": err.message, "code": err.code}, status=err.status,
+                                 headers=err.headers)
+        named = {k.lower() for k, _ in shaped.headers}
+        extra = [(k, v) for k, v in err.headers if k.lower() not in named]
+        return dataclasses.replace(shaped, headers=[*shaped.headers, *extra])
+
+    def _shaped(self, path: str, err: HTTPError) -> Response | None:
+        if self.error_shaper is None:
+            return None
+        try:
+            return self.error_shaper(path, err)
+        except Exception:
+            log.exception("the error shaper failed for %s", path)
+            return None
+
+
+# --- listening ---------------------------------------------------------------------
+
+def configure_listening_socket(sock: stdsocket.socket | trio.socket.SocketType) -> None:
+    """TCP keep-alive probes and the unacknowledged-data bound, for accepted sockets to
+    inherit. Options a platform lacks are skipped."""
+    sock.setsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_KEEPALIVE, 1)
+    options = [("TCP_KEEPIDLE", limits.TCP_KEEPIDLE_S), ("TCP_KEEPINTVL", limits.TCP_KEEPINTVL_S),
+               ("TCP_KEEPCNT", limits.TCP_KEEPCNT),
+               ("TCP_USER_TIMEOUT", limits.TCP_USER_TIMEOUT_S * 1000)]
+    for name, value in options:
+        option = getattr(stdsocket, name, None)
+        if option is not None:
+            sock.setsockopt(stdsocket.IPPROTO_TCP, option, value)
+
+
+async def bind_listening_sockets(host: str, port: int) -> list[trio.socket.SocketType]:
+    """One listening socket per address ``host`` resolves to, all on the same port
+    (with port 0, the one the first socket took)."""
+    infos = await trio.socket.getaddrinfo(host, port, type=stdsocket.SOCK_STREAM,
+                                          flags=stdsocket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in infos))
+    sockets: list[trio.socket.SocketType] = []
+    try:
+        for family, ip in addresses:
+            chosen = sockets[0].getsockname()[1] if sockets else port
+            sock = await _bind_one(family, ip, chosen, first=not sockets)
+            if sock is not None:
+                sockets.append(sock)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def _bind_one(family: int, ip: str, port: int, *, first: bool) -> trio.socket.SocketType | None:
+    sock = trio.socket.socket(family, stdsocket.SOCK_STREAM)
+    try:
+        sock.setsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_REUSEADDR, 1)
+        if family == stdsocket.AF_INET6:
+            sock.setsockopt(stdsocket.IPPROTO_IPV6, stdsocket.IPV6_V6ONLY, 1)
+        configure_listening_socket(sock)
+        await sock.bind((ip, port))
+        sock.listen(limits.LISTEN_BACKLOG)
+        return sock
+    except OSError as exc:
+        sock.close()
+        if first:
+            raise
+        log.warning("not listening on %s port %d: %s", ip, port, exc)
+        return None
+
+
+# --- serving -----------------------------------------------------------------------
+
+_ACCEPT_RETRY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+async def serve_http(app: HttpApp, host: str, port: int, *,
+                     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` on ``host``:``port`` until cancelled; ``started(actual_port)``."""
+    sockets = await bind_listening_sockets(host, port)
+    listeners = [trio.SocketListener(sock) for sock in sockets]
+    app.policy.bound_host = host              # the checks follow the actual binding
+    app.policy.port = sockets[0].getsockname()[1]
+    send, receive = trio.open_memory_channel[trio.SocketStream](limits.ACCEPT_QUEUE)
+    pressure = QueuePressure(lambda: send.statistics().current_buffer_used)
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(limits.WORKERS):
+                nursery.start_soon(_worker, app, receive, pressure)
+            for listener in listeners:
+                nursery.start_soon(_accept_loop, listener, send, pressure)
+            task_status.started(app.policy.port)
+    finally:
+        await _close_all(listeners, receive)
+        send.close()
+
+
+async def _accept_loop(listener: trio.SocketListener, queue: trio.MemorySendChannel[trio.SocketStream],
+                       pressure: QueuePressure) -> None:
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_RETRY_ERRNOS:
+                raise
+            log.warning("accept failed (%s); retrying", exc)
+            await trio.sleep(limits.ACCEPT_RETRY_S)
+            continue
+        try:
+            queue.send_nowait(stream)
+        except trio.WouldBlock:
+            await trio.aclose_forcefully(stream)
+            continue
+        if queue.statistics().current_buffer_used:
+            pressure.notify()
+
+
+async def _worker(app: HttpApp, queue: trio.MemoryReceiveChannel[trio.SocketStream],
+                  pressure: QueuePressure) -> None:
+    async for stream in queue:
+        try:
+            peer, local = _addresses(stream)
+        except OSError:
+            await trio.aclose_forcefully(stream)
+            continue
+        await serve_connection(app, stream, peer=peer, local=local, pressure=pressure)
+
+
+def _addresses(stream: trio.SocketStream) -> tuple[tuple[str, int], tuple[str, int]]:
+    peer = stream.socket.getpeername()
+    local = stream.socket.getsockname()
+    return (peer[0], peer[1]), (local[0], local[1])
+
+
+async def _close_all(listeners: list[trio.SocketListener],
+                     queue: trio.MemoryReceiveChannel[trio.SocketStream]) -> None:
+    with trio.CancelScope(shield=True):
+        for listener in listeners:
+            await trio.aclose_forcefully(listener)
+        while True:
+            try:
+                await trio.aclose_forcefully(queue.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        queue.close()
+
+
+__all__ = ["ErrorShaper", "HttpApp", "bind_listening_sockets", "configure_listening_socket",
+           "serve_http", "watch_parent"]

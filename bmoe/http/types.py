@@ -1,0 +1,104 @@
+"""Request and response values passed between the connection and the handlers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import invalid_request
+
+
+@dataclass
+class Request:
+    method: str                      # "GET", "POST", ...
+    target: str                      # raw request target, e.g. "/v1/models?x=1"
+    path: str                        # percent-decoded path without the query
+    query: dict[str, str]            # last value wins
+    headers: list[tuple[str, str]]   # names lower-cased, values decoded as latin-1
+    body: bytes
+    peer: tuple[str, int]            # the connection's peer address
+    local: tuple[str, int]           # the address the connection arrived on
+    path_params: dict[str, str] = field(default_factory=dict)
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+    @property
+    def raw_path(self) -> str:
+        """The target's path as sent, still percent-encoded (what routes match on)."""
+        return self.target.split("?", 1)[0]
+
+    @property
+    def peer_is_loopback(self) -> bool:
+        from .access import is_loopback_address
+        return is_loopback_address(self.peer[0])
+
+    def json(self) -> Any:
+        """The body as JSON; an empty body is ``{}``. Not JSON: 400 invalid_request."""
+        if not self.body.strip():
+            return {}
+        try:
+            text = self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise invalid_request("The request body is not valid UTF-8.") from None
+        try:
+            return json.loads(text, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise invalid_request("The request body's JSON is nested too deeply.") from None
+        except ValueError as e:
+            raise invalid_request(f"The request body is not valid JSON: {e}.") from None
+
+    def json_object(self) -> dict[str, Any]:
+        value = self.json()
+        if not isinstance(value, dict):
+            raise invalid_request("The request body must be a JSON object.")
+        return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+@dataclass
+class Response:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def json(cls, value: Any, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
+        return cls(status=status, body=json_bytes(value), headers=list(headers or []))
+
+
+def json_bytes(value: Any) -> bytes:
+    """Compact UTF-8 JSON; a lone surrogate a client sent us comes back escaped."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
+# A streaming body writes chunks through ``send``; the connection applies the write
+# timeout and cancels the producer when the client goes away.
+Send = Callable[[bytes], Awaitable[None]]
+
+
+@dataclass
+class StreamResponse:
+    produce: Callable[[Send], Awaitable[None]]
+    status: int = 200
+    content_type: str = "text/event-stream"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    # Called exactly once when the response is over, however it ended (sent, client
+    # gone, headers never written): where a handler releases what it took for the stream.
+    on_close: Callable[[], None] | None = None
+
+
+Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]

@@ -1,0 +1,111 @@
+"""Reading the parts of a request that every protocol shares.
+
+Thinking precedence, the token budget, output schemas and image checks are the
+same on `/v1/chat/completions`, `/v1/messages` and `/v1/responses`; the adapters
+call these with the values their protocol carries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine import params
+from ..http.errors import HTTPError, invalid_request
+
+MAX_IMAGES = 8
+N_PREDICT_MAX = 2**20
+
+
+def thinking(config_values: dict[str, Any], user_keys: list[str], *,
+             think: Any = None, enable_thinking: Any = None, effort: Any = None) -> bool:
+    """think (bool) > chat_template_kwargs.enable_thinking > reasoning effort >
+    the person's `think` setting (if they set it) > on."""
+    for value, name in ((think, "think"), (enable_thinking, "chat_template_kwargs.enable_thinking")):
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise invalid_request(f"`{name}` must be true or false.")
+        return value
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise invalid_request("`reasoning_effort` must be a string such as \"none\" or \"low\".")
+        return effort != "none"
+    if "think" in user_keys:
+        return bool(config_values.get("think", True))
+    return True
+
+
+def budget(value: Any, name: str, config_values: dict[str, Any]) -> int:
+    """A max-tokens field: absent/null/0 → the n-predict setting; clamped to its bound."""
+    if value is not None:
+        if isinstance(value, bool) or not (isinstance(value, int) or
+                                           (isinstance(value, float) and value.is_integer())):
+            raise invalid_request(f"`{name}` must be a non-negative integer.")
+        value = int(value)
+        if value < 0:
+            raise invalid_request(f"`{name}` must be a non-negative integer.")
+    if not value:
+        value = int(config_values.get("n-predict") or 0)
+    try:
+        upper = params.param("n-predict").max or N_PREDICT_MAX
+    except KeyError:
+        upper = N_PREDICT_MAX
+    return min(int(value), int(upper))
+
+
+def schema_object(value: Any, name: str) -> dict[str, Any] | None:
+    """A schema: an object (empty → {"type": "object"}), null → None; boolean refused."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise invalid_request(f"`{name}` must be a JSON object schema; boolean schemas are not supported.")
+    if not isinstance(value, dict):
+        raise invalid_request(f"`{name}` must be a JSON object schema.")
+    return value or {"type": "object"}
+
+
+def response_format_schema(response_format: Any, top_level: Any) -> dict[str, Any] | None:
+    """The output schema of a chat request (`response_format` and top-level `json_schema`)."""
+    top = schema_object(top_level, "json_schema")
+    if response_format is None:
+        return top
+    if not isinstance(response_format, dict):
+        raise invalid_request("`response_format` must be an object.")
+    kind = response_format.get("type")
+    if kind is None or kind == "text":
+        return top
+    if kind == "json_object":
+        inner = schema_object(response_format.get("schema"), "response_format.schema")
+        return inner or top or {"type": "object"}
+    if kind == "json_schema":
+        wrapper = response_format.get("json_schema")
+        if wrapper is None:
+            return {"type": "object"}
+        if not isinstance(wrapper, dict):
+            raise invalid_request("`response_format.json_schema` must be an object.")
+        for key, types in (("name", str), ("description", str), ("strict", bool)):
+            v = wrapper.get(key)
+            if v is not None and not isinstance(v, types):
+                raise invalid_request(f"`response_format.json_schema.{key}` has the wrong type.")
+        return schema_object(wrapper.get("schema"), "response_format.json_schema.schema") or {"type": "object"}
+    raise invalid_request(f"`response_format.type` {kind!r} is not supported: use "
+                          "\"text\", \"json_object\" or \"json_schema\".")
+
+
+def check_image_url(url: Any, name: str) -> None:
+    """An image travels inline as a data URL; the loaded model must read images."""
+    if not isinstance(url, str):
+        raise invalid_request(f"`{name}` must be a string data URL.")
+    if not url.startswith("data:image/"):
+        raise invalid_request(f"`{name}` must be an inline data URL (data:image/...;base64,...): "
+                              "the server does not fetch URLs.")
+
+
+def no_vision() -> HTTPError:
+    return HTTPError(400, "no_vision", "The loaded model reads no images (it was loaded without "
+                     "an image projector). Send text only, or load a model with its projector.")
+
+
+def count_images(n: int) -> None:
+    if n > MAX_IMAGES:
+        raise invalid_request(f"A request may carry at most {MAX_IMAGES} images; this one has {n}.")

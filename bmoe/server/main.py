@@ -1,0 +1,165 @@
+"""`bmoe-server`: the command line, startup checks, and the server's nursery."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..engine import params
+from ..http import access
+from ..http.server import HttpApp, serve_http, watch_parent
+from .config import ConfigStore
+from .events import EventBus
+from .routes import build_routes
+from .shapes import error_shaper
+from .state import ServerOptions, ServerState
+
+
+def default_data_dir() -> Path:
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
+    return base / "bmoe"
+
+
+def assets_dir() -> Path | None:
+    here = Path(__file__).resolve().parents[2] / "assets"
+    for candidate in (here, Path(sys.prefix) / "share" / "bmoe" / "assets"):
+        if (candidate / "index.html").is_file():
+            return candidate
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bmoe-server",
+        description="Serve one local model (streaming its experts) over a web UI, a JSON API "
+                    "and the OpenAI / Anthropic wire formats.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; beyond loopback needs a key)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = any free port)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="settings and models folder (default $XDG_DATA_HOME/bmoe or "
+                        "~/.local/share/bmoe)")
+    p.add_argument("--models-dir", type=Path, default=None,
+                   help="where models are kept (default <data-dir>/models)")
+    p.add_argument("--scan-dir", type=Path, action="append", default=[],
+                   help="another folder models are listed from (repeatable)")
+    p.add_argument("--models-only", action="store_true",
+                   help="every client, local ones too, may open models only in the model folders")
+    p.add_argument("--demo", action="store_true",
+                   help="write the built-in tiny MoE demo model (if missing) and load it")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", type=Path, help="read the API key from this file")
+    key.add_argument("--api-key", help="the API key (visible in the process list: prefer "
+                                       "--api-key-file)")
+    p.add_argument("--no-api-key", action="store_true",
+                   help="allow --host beyond loopback without a key (an open server)")
+    p.add_argument("--allow-origin", action="append", default=[],
+                   help="admit one more browser origin (e.g. a UI dev server)")
+    p.add_argument("--parent-pid", type=int, help="stop when this process ends")
+    p.add_argument("--open", action="store_true", help="open the UI in the system's browser")
+    params.add_cli_flags(p, server=True)
+    return p
+
+
+def read_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise SystemExit(f"bmoe-server: cannot read the key file {args.api_key_file}: {e}")
+        if not key:
+            raise SystemExit(f"bmoe-server: the key file {args.api_key_file} is empty.")
+        return key
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise SystemExit("bmoe-server: --api-key is empty.")
+        return args.api_key.strip()
+    return None
+
+
+def check_binding(host: str, key: str | None, no_key: bool) -> None:
+    if access.is_loopback_binding(host):
+        return
+    if key is None and not no_key:
+        raise SystemExit(
+            f"bmoe-server: refusing to listen on {host} without a key: anyone who can reach the "
+            "port could use the model. Pass --api-key-file PATH, or --no-api-key if an open "
+            "server is really meant.")
+    if key is None:
+        print(f"bmoe-server: warning: listening on {host} with no key; anyone who reaches the "
+              "port can use this server.", file=sys.stderr)
+
+
+def open_browser(url: str) -> None:
+    opener = "open" if sys.platform == "darwin" else "xdg-open"
+    exe = shutil.which(opener)
+    if exe is None:
+        print(f"bmoe-server: no {opener} to open {url}", file=sys.stderr)
+        return
+    subprocess.Popen([exe, url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    key = read_key(args)
+    check_binding(args.host, key, args.no_api_key)
+    data_dir = (args.data_dir or default_data_dir()).expanduser().resolve()
+    models_dir = (args.models_dir or data_dir / "models").expanduser().resolve()
+    models_dir.mkdir(parents=True, exist_ok=True)
+    launch = params.values_from_namespace(args)
+    if args.demo and not launch.get("model"):
+        from ..engine.modelmaker import ensure_demo_model
+        launch["model"] = str(ensure_demo_model(data_dir))
+    options = ServerOptions(host=args.host, port=args.port, data_dir=data_dir,
+                            models_dir=models_dir,
+                            scan_dirs=[d.expanduser().resolve() for d in args.scan_dir],
+                            models_only=args.models_only, launch_model=launch.get("model"))
+    policy = access.AccessPolicy(bound_host=args.host, api_key=key,
+                                 allow_origins=list(args.allow_origin))
+    try:
+        trio.run(serve, options, launch, policy, args)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.AccessPolicy,
+                args: argparse.Namespace) -> None:
+    config = ConfigStore(options.data_dir, launch)
+    bus = EventBus()
+    state = ServerState(options, config, bus, streamer_factory=None)
+    app = HttpApp(build_routes(state), policy, assets_dir(), error_shaper=error_shaper)
+    try:
+        async with trio.open_nursery() as nursery:
+            state.attach(nursery)
+            port = await nursery.start(serve_http, app, options.host, options.port)
+            policy.port = port
+            shown = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+            url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}/"
+            print(f"bmoe-server listening on {url}", flush=True)
+            if args.parent_pid:
+                nursery.start_soon(watch_parent, args.parent_pid, nursery.cancel_scope)
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+            if config.values.get("model"):
+                state.begin_load(str(config.values["model"]), config.values)
+            if args.open:
+                open_browser(url)
+    finally:
+        with trio.CancelScope(shield=True):
+            await state.aclose()
+
+
+async def _stop_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return

@@ -1,0 +1,161 @@
+"""The route table: every route of bmoe-server, in one place you can grep."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..engine import params
+from ..http import limits
+from ..http.errors import HTTPError, invalid_request
+from ..http.routes import RouteTable
+from ..http.sse import sse_comment, sse_event
+from ..http.types import Request, Response, Send, StreamResponse
+from ..server.config import OutsideModelsDir, confine_model_path
+from . import openai_chat
+from .state import ServerState
+
+EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
+
+
+def build_routes(state: ServerState) -> RouteTable:
+    table = RouteTable()
+    streams = trio.CapacityLimiter(limits.EVENT_STREAMS)
+    streams_full = HTTPError(503, "streams_full", f"{limits.EVENT_STREAMS} event streams are "
+                             "already open; retry later.", headers=[("Retry-After", "2")])
+
+    def add(method: str, path: str, fn: Any, **kw: Any) -> None:
+        table.add(method, path, partial(fn, state), **kw)
+
+    add("GET", "/api/info", info)
+    add("POST", "/api/session/load", session_load)
+    add("POST", "/api/session/unload", session_unload)
+    add("POST", "/api/cancel", cancel)
+    add("GET", "/api/params", get_params)
+    add("GET", "/api/config", get_config)
+    add("PUT", "/api/config", put_config)
+    add("GET", "/api/events", events, limiter=streams, limiter_error=streams_full)
+    add("GET", "/v1/models", models)
+    add("POST", "/v1/chat/completions", openai_chat.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    return table
+
+
+# -- state ------------------------------------------------------------------------
+
+async def info(state: ServerState, request: Request) -> Response:
+    return Response.json(state.info())
+
+
+def model_dirs(state: ServerState) -> list[Path]:
+    return [state.options.models_dir, *state.options.scan_dirs]
+
+
+async def session_load(state: ServerState, request: Request) -> Response:
+    body = request.json_object()
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid_request("`model` must be a string: the path of a GGUF file.")
+    if model:
+        confined = state.options.models_only or not request.peer_is_loopback
+        if confined:
+            try:
+                model = str(confine_model_path(model, model_dirs(state)))
+            except OutsideModelsDir as e:
+                raise HTTPError(403, "outside_models_dir", str(e)) from None
+        _, rejected = state.config.put({"model": model}, [], peer_is_local=True,
+                                       model_dirs=model_dirs(state))
+        if rejected:
+            raise invalid_request(params.render(str(rejected.get("model"))))
+        state.bus.publish("config", config_state(state))
+    error = params.validate(state.config.values)
+    if error:
+        raise HTTPError(400, "invalid_config", params.render(error))
+    path = state.config.values.get("model")
+    if not path:
+        raise invalid_request("No model is set: send {\"model\": \"/path/to/model.gguf\"}.")
+    state.begin_load(str(path), state.config.values)
+    return Response.json({"state": "loading", "model": str(path)}, status=202)
+
+
+async def session_unload(state: ServerState, request: Request) -> Response:
+    request.json()
+    await state.unload()
+    return Response.json({"state": state.state})
+
+
+async def cancel(state: ServerState, request: Request) -> Response:
+    was = state.generating
+    state.cancel_current()
+    return Response.json({"cancelled": was})
+
+
+async def models(state: ServerState, request: Request) -> Response:
+    data = []
+    info = state.model_info()
+    if info is not None:
+        data.append({"id": info["name"], "object": "model", "owned_by": "local",
+                     "created": 0, "modalities": ["text"]})
+    return Response.json({"object": "list", "data": data})
+
+
+# -- parameters and config ----------------------------------------------------------
+
+async def get_params(state: ServerState, request: Request) -> Response:
+    return Response.json(params.describe(server=True))
+
+
+def config_state(state: ServerState) -> dict[str, Any]:
+    return state.config.state(state.loaded_values)
+
+
+async def get_config(state: ServerState, request: Request) -> Response:
+    return Response.json(config_state(state))
+
+
+async def put_config(state: ServerState, request: Request) -> Response:
+    body = request.json_object()
+    values = body.get("values", {})
+    reset = body.get("reset", [])
+    if not isinstance(values, dict):
+        raise invalid_request("`values` must be an object of {key: value}.")
+    if not isinstance(reset, list) or not all(isinstance(k, str) for k in reset):
+        raise invalid_request("`reset` must be an array of parameter keys.")
+    try:
+        result, rejected = state.config.put(
+            values, reset, peer_is_local=request.peer_is_loopback, model_dirs=model_dirs(state),
+            models_only=state.options.models_only, loaded_values=state.loaded_values)
+    except TypeError as e:
+        raise invalid_request(str(e)) from None
+    result = dict(result)
+    result["error"] = params.render(result.get("error", ""))
+    result["rejected"] = {k: params.render(str(v)) for k, v in rejected.items()}
+    state.bus.publish("config", config_state(state))
+    return Response.json(result)
+
+
+# -- live events --------------------------------------------------------------------
+
+async def events(state: ServerState, request: Request) -> StreamResponse:
+    sub = state.bus.subscribe(local=request.peer_is_loopback)
+
+    async def produce(send: Send) -> None:
+        try:
+            await send(sse_event("state", state.info()))
+            while True:
+                with trio.move_on_after(EVENTS_PING_S) as idle:
+                    try:
+                        name, data = await sub.receive.receive()
+                    except trio.EndOfChannel:
+                        return  # dropped for falling behind: the client reconnects
+                if idle.cancelled_caught:
+                    await send(sse_comment("ping"))
+                    continue
+                await send(sse_event(name, data))
+        finally:
+            sub.close()
+
+    return StreamResponse(produce=produce, headers=[("Cache-Control", "no-cache")],
+                          on_close=sub.close)

@@ -1,0 +1,196 @@
+"""The server's one session and its lifecycle: empty → loading → ready | error.
+
+`ServerState` is the trio-side owner of the engine thread and the loaded `Session`.
+Loads and unloads are serialised; a request that needs the model while one loads
+waits for it; every state change is published as a `state` event.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+from .. import __version__
+from ..engine.errors import EngineError
+from ..engine.session import Session
+from ..engine.thread import EngineThread
+from ..engine.telemetry import mem_available_mib
+from ..http.errors import HTTPError
+from .bridge import wait_future
+from .events import EventBus
+from .turns import TurnLine
+
+CTX_FOR_CLIENTS = 16384  # tokens a coding agent needs: its first request plus an answer
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    data_dir: Path = Path(".")
+    models_dir: Path = Path("models")
+    scan_dirs: list[Path] = field(default_factory=list)
+    models_only: bool = False
+    launch_model: str | None = None
+
+
+def _ram_total_mib() -> float:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (ValueError, OSError):
+        return 0.0
+
+
+class ServerState:
+    def __init__(self, options: ServerOptions, config: Any, bus: EventBus,
+                 streamer_factory: Callable[[Session], Any] | None = None) -> None:
+        self.options = options
+        self.config = config
+        self.bus = bus
+        self.engine = EngineThread()
+        self.turns = TurnLine()
+        self.session: Session | None = None
+        self.state = "empty"
+        self.error = ""
+        self.load_started: float | None = None
+        self.loaded_values: dict[str, Any] | None = None
+        self.ctx_refused = False
+        self.generating = False
+        self.current_cancel: threading.Event | None = None
+        self._load_lock = trio.Lock()
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.streamer_factory = streamer_factory
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    # -- info ----------------------------------------------------------------
+
+    def ctx_advice(self) -> dict[str, Any]:
+        n_ctx = self.session.n_ctx if self.session else 0
+        short = n_ctx < CTX_FOR_CLIENTS
+        beyond_loopback = self.options.host not in ("127.0.0.1", "localhost", "::1")
+        return {"recommended": CTX_FOR_CLIENTS, "short": short, "param": "ctx-size",
+                "refused": self.ctx_refused,
+                "warn": bool(short and (beyond_loopback or self.ctx_refused))}
+
+    def model_info(self) -> dict[str, Any] | None:
+        s = self.session
+        if s is None or self.state != "ready":
+            return None
+        return {
+            "path": str(s.path), "name": s.path.name, "arch": s.arch, "n_ctx": s.n_ctx,
+            "n_expert_used": s.n_expert_used, "think_ctl": "template" if s.template else "none",
+            "load_s": round(s.load_s, 3), "streaming": s.streamer is not None,
+            "vision": False, "projector": "", "compute_threads": s.compute_threads,
+            "busy_threads": s.compute_threads, "ctx_advice": self.ctx_advice(),
+        }
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": __version__, "overlap_available": False, "planner_available": False,
+            "host": {"ram_total_mib": round(_ram_total_mib()),
+                     "ram_available_mib": round(mem_available_mib()),
+                     "cpu_threads": os.cpu_count() or 1},
+            "state": self.state, "error": self.error, "model": self.model_info(),
+            "generating": self.generating, "calibrating": False,
+        }
+        if self.state == "loading" and self.load_started is not None:
+            out["load_elapsed_s"] = round(time.monotonic() - self.load_started, 3)
+        return out
+
+    def _set_state(self, state: str, error: str = "") -> None:
+        self.state = state
+        self.error = error
+        self.bus.publish("state", self.info())
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def publish_state(self) -> None:
+        self.bus.publish("state", self.info())
+
+    # -- load / unload -------------------------------------------------------
+
+    def begin_load(self, path: str | None, values: dict[str, Any]) -> None:
+        """Start a load in the background (the 202 of POST /api/session/load)."""
+        if self._nursery is None:
+            raise RuntimeError("ServerState.attach() was not called")
+        self.state = "loading"
+        self.error = ""
+        self.load_started = time.monotonic()
+        self._set_state("loading")
+        self._nursery.start_soon(self._load, path, dict(values))
+
+    async def _load(self, path: str | None, values: dict[str, Any]) -> None:
+        async with self._load_lock:
+            await self._close_session()
+            self.state = "loading"
+            self.load_started = time.monotonic()
+            self._set_state("loading")
+            if not path:
+                self._set_state("error", "No model is set: choose a model file to load.")
+                return
+            try:
+                session = await wait_future(self.engine.submit(self._open_session, path, values))
+            except EngineError as e:
+                self._set_state("error", e.message)
+                self.bus.log("error", f"load failed: {e.message}")
+                return
+            except Exception as e:  # noqa: BLE001 - a load failure is reported, not raised
+                self._set_state("error", f"The model could not be loaded: {e}")
+                self.bus.log("error", f"load failed: {e!r}")
+                return
+            self.session = session
+            self.loaded_values = values
+            self.ctx_refused = False
+            self._set_state("ready")
+            self.bus.log("info", f"loaded {session.path.name} ({session.arch}, n_ctx "
+                         f"{session.n_ctx}, streaming {'on' if session.streamer else 'off'}) "
+                         f"in {session.load_s:.2f} s")
+            if session.n_ctx < CTX_FOR_CLIENTS:
+                self.bus.log("warn", f"the context is {session.n_ctx} tokens, below the "
+                             f"{CTX_FOR_CLIENTS} a coding agent needs; raise it with --ctx-size")
+
+    def _open_session(self, path: str, values: dict[str, Any]) -> Session:
+        from .chatsetup import configure_session
+        session = Session(path, values, self.streamer_factory)
+        configure_session(session)
+        return session
+
+    async def unload(self) -> None:
+        async with self._load_lock:
+            await self._close_session()
+            self._set_state("empty")
+
+    async def _close_session(self) -> None:
+        if self.current_cancel is not None:
+            self.current_cancel.set()
+        session, self.session = self.session, None
+        self.loaded_values = None
+        if session is not None:
+            with trio.CancelScope(shield=True):
+                await wait_future(self.engine.submit(session.close))
+
+    async def require_session(self) -> Session:
+        """The loaded session; waits through a load; 503 no_model when nothing is loaded."""
+        while self.state == "loading":
+            await self._changed.wait()
+        if self.session is None or self.state != "ready":
+            raise HTTPError(503, "no_model", "No model is loaded. Load one with "
+                            "POST /api/session/load or start the server with -m.")
+        return self.session
+
+    def cancel_current(self) -> None:
+        if self.current_cancel is not None:
+            self.current_cancel.set()
+
+    async def aclose(self) -> None:
+        await self._close_session()
+        self.engine.close()

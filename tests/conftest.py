@@ -1,0 +1,115 @@
+"""Shared fixtures: models the project writes itself, and a real bmoe-server process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from bmoe.engine.modelmaker import make_model
+
+START_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(model_dir: Path) -> Path:
+    return make_model(model_dir / "tiny-moe.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(model_dir: Path) -> Path:
+    return make_model(model_dir / "tiny-dense.gguf", arch="qwen3")
+
+
+class ServerProcess:
+    def __init__(self, proc: subprocess.Popen[str], url: str, data_dir: Path) -> None:
+        self.proc = proc
+        self.url = url.rstrip("/")
+        self.data_dir = data_dir
+        self.key: str | None = None
+
+    def request(self, method: str, path: str, body: Any = None, *,
+                headers: dict[str, str] | None = None, raw: bytes | None = None,
+                timeout: float = 60.0) -> tuple[int, dict[str, str], Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        h = {"Content-Type": "application/json"} if method != "GET" else {}
+        if self.key:
+            h["Authorization"] = f"Bearer {self.key}"
+        h.update(headers or {})
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                payload = resp.read()
+                status, hdrs = resp.status, dict(resp.headers)
+        except urllib.error.HTTPError as e:
+            payload, status, hdrs = e.read(), e.code, dict(e.headers)
+        try:
+            return status, hdrs, json.loads(payload) if payload else None
+        except ValueError:
+            return status, hdrs, payload
+
+    def info(self) -> dict[str, Any]:
+        return self.request("GET", "/api/info")[2]
+
+    def wait_state(self, *states: str, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.info()
+            if info["state"] in states:
+                return info
+            time.sleep(0.05)
+        raise AssertionError(f"server never reached {states}: {self.info()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def start_server(data_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 wait_ready: bool = True) -> ServerProcess:
+    cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data_dir),
+           "--threads", "2", *args]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=full_env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        raise AssertionError(f"bmoe-server did not start: {line!r}")
+    url = line.split("listening on", 1)[1].strip()
+    server = ServerProcess(proc, url, data_dir)
+    if wait_ready:
+        server.wait_state("ready", "error")
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> Iterator[ServerProcess]:
+    """A bmoe-server on port 0 with the tiny MoE loaded (shared by read-only tests)."""
+    data = tmp_path_factory.mktemp("server-data")
+    srv = start_server(data, "-m", str(tiny_moe), "-c", "4096")
+    assert srv.info()["state"] == "ready", srv.info()
+    yield srv
+    srv.stop()

@@ -1,0 +1,123 @@
+"""A real peer that is not loopback: a network namespace joined to this one by a veth
+pair, the server bound to the host side with a key, the client inside the namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from bmoe.http.access import AccessPolicy
+from bmoe.http.routes import RouteTable
+from bmoe.http.server import HttpApp, serve_http
+from bmoe.http.types import Request, Response
+
+KEY = "n3tw0rk-key"
+SUBNET = f"10.254.{os.getpid() % 200 + 20}"
+HOST_IP, NS_IP = f"{SUBNET}.1", f"{SUBNET}.2"
+NS = f"bmoe_http_{os.getpid()}"
+VETH = f"bmh{os.getpid() % 100000}"
+
+# Sends each raw request on its own connection; prints [status, code] per request.
+CLIENT = r"""
+import json, socket, sys
+host, port, requests = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+out = []
+for raw in requests:
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(raw.encode("latin-1"))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = int([l.split(b":")[1] for l in lines if l.lower().startswith(b"content-length")][0])
+        while len(body) < length:
+            body += s.recv(65536)
+        out.append([int(head.split()[1]), json.loads(body).get("code")])
+print(json.dumps(out))
+"""
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def namespace() -> Iterator[str]:
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs Linux, root and iproute2 to create a network namespace")
+    try:
+        _run("ip", "netns", "add", NS)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"ip netns is not permitted here: {exc.stderr.decode().strip()}")
+    try:
+        _run("ip", "link", "add", VETH, "type", "veth", "peer", "name", VETH + "n")
+        _run("ip", "link", "set", VETH + "n", "netns", NS)
+        _run("ip", "addr", "add", f"{HOST_IP}/24", "dev", VETH)
+        _run("ip", "link", "set", VETH, "up")
+        _run("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/24", "dev", VETH + "n")
+        _run("ip", "netns", "exec", NS, "ip", "link", "set", VETH + "n", "up")
+        yield NS
+    finally:
+        subprocess.run(["ip", "link", "del", VETH], capture_output=True)
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+
+
+def _app() -> HttpApp:
+    async def ok(request: Request) -> Response:
+        return Response.json({"ok": True, "code": "ok"})
+
+    routes = RouteTable()
+    routes.add("GET", "/api/info", ok)
+    routes.add("DELETE", "/api/models/local/{name}", ok)
+    routes.add("POST", "/api/models/url", ok)
+    routes.add("GET", "/api/backends", ok)
+    routes.add("POST", "/v1/chat/completions", ok)
+    return HttpApp(routes, AccessPolicy(HOST_IP, api_key=KEY))
+
+
+def _raw(method: str, target: str, host: str, key: bool = True, body: bool = False) -> str:
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
+    if key:
+        lines.append(f"Authorization: Bearer {KEY}")
+    if body:
+        lines += ["Content-Type: application/json", "Content-Length: 2"]
+    return "\r\n".join(lines) + "\r\n\r\n" + ("{}" if body else "")
+
+
+def test_network_peer(namespace: str) -> None:
+    app = _app()
+
+    async def main() -> list[list[object]]:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, app, HOST_IP, 0)
+            at = f"{HOST_IP}:{port}"
+            requests = [
+                _raw("GET", "/api/info", at, key=False),                       # key required
+                _raw("GET", "/api/info", at),                                  # with it: answered
+                _raw("GET", "/api/info", f"some-name.lan:{port}"),             # Host check lifted
+                _raw("POST", "/v1/chat/completions", at, body=True),
+                _raw("DELETE", "/api/models/local/m.gguf", at, body=True),     # local only
+                _raw("POST", "/api/models/url", at, body=True),
+                _raw("GET", "/api/backends", at),
+                _raw("GET", "/api/workspaces", at),                            # local only, no route yet
+            ]
+            result = await trio.run_process(
+                ["ip", "netns", "exec", namespace, sys.executable, "-c", CLIENT, HOST_IP, str(port),
+                 json.dumps(requests)], capture_stdout=True)
+            nursery.cancel_scope.cancel()
+        return json.loads(result.stdout)
+
+    assert trio.run(main) == [[401, "unauthorized"], [200, "ok"], [200, "ok"], [200, "ok"],
+                              [403, "local_only"], [403, "local_only"], [403, "local_only"],
+                              [403, "local_only"]]

@@ -1,0 +1,326 @@
+"""The model maker: deterministic GGUF files, their vocabulary, templates, and llama.cpp loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from bmoe.engine import modelmaker as mm
+from bmoe.engine.templates import TEMPLATES, chat_template, render_chat
+
+T = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("mm")
+    return {
+        "moe": mm.make_model(d / "moe.gguf"),
+        "dense": mm.make_model(d / "dense.gguf", arch="qwen3"),
+        "moe-f16": mm.make_model(d / "moe-f16.gguf", dtype="f16"),
+        "moe-q8": mm.make_model(d / "moe-q8.gguf", dtype="q8_0", template="qwen3_coder"),
+        "dense-q8": mm.make_model(d / "dense-q8.gguf", arch="qwen3", dtype="q8_0"),
+        "ctx": mm.make_model(
+            d / "ctx.gguf", n_embd=128, n_head=2, n_head_kv=1, head_dim=64,
+            router_skew=1.5, context_mix=1.5, dtype="f16", think_prefill=True,
+        ),
+    }
+
+
+def fields(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    r = gguf.GGUFReader(path)
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return kv, {t.name: t for t in r.tensors}
+
+
+# --- files ----------------------------------------------------------------------------
+
+
+def test_same_arguments_give_the_same_bytes(tmp_path: Path) -> None:
+    a = mm.make_model(tmp_path / "a.gguf", dtype="q8_0", router_skew=2.0)
+    b = mm.make_model(tmp_path / "b.gguf", dtype="q8_0", router_skew=2.0)
+    c = mm.make_model(tmp_path / "c.gguf", dtype="q8_0", router_skew=2.0, seed=1)
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf", "c.gguf"]
+
+
+def test_moe_keys_and_tensor_shapes(models: dict[str, Path]) -> None:
+    kv, tensors = fields(models["moe"])
+    vocab = mm.build_vocab()
+    assert kv["general.architecture"] == "qwen3moe"
+    assert kv["general.file_type"] == 0
+    expected = {
+        "context_length": 32768, "embedding_length": 64, "block_count": 4,
+        "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+        "attention.value_length": 16, "rope.freq_base": 1e6, "expert_count": 8,
+        "expert_used_count": 2, "expert_feed_forward_length": 32,
+    }
+    for key, value in expected.items():
+        assert kv[f"qwen3moe.{key}"] == pytest.approx(value), key
+    assert kv["qwen3moe.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "qwen2"
+    assert kv["tokenizer.ggml.eos_token_id"] == vocab.ids["<|im_end|>"]
+    assert kv["tokenizer.ggml.add_bos_token"] is False
+    assert kv["tokenizer.chat_template"] == TEMPLATES["hermes"]
+    assert json.loads(kv["bmoe.model_maker.spec"])["n_expert"] == 8
+    n_vocab = vocab.size
+    # GGUF dims are ne order (numpy shape reversed), as llama.cpp's create_tensor lists them.
+    want = {"token_embd.weight": (64, n_vocab), "output.weight": (64, n_vocab),
+            "output_norm.weight": (64,)}
+    for i in range(4):
+        b = f"blk.{i}."
+        want |= {
+            b + "attn_norm.weight": (64,), b + "attn_q.weight": (64, 64),
+            b + "attn_k.weight": (64, 32), b + "attn_v.weight": (64, 32),
+            b + "attn_output.weight": (64, 64), b + "attn_q_norm.weight": (16,),
+            b + "attn_k_norm.weight": (16,), b + "ffn_norm.weight": (64,),
+            b + "ffn_gate_inp.weight": (64, 8), b + "ffn_gate_exps.weight": (64, 32, 8),
+            b + "ffn_up_exps.weight": (64, 32, 8), b + "ffn_down_exps.weight": (32, 64, 8),
+        }
+    assert {n: tuple(int(x) for x in t.shape) for n, t in tensors.items()} == want
+
+
+def test_dense_keys_and_ffn(models: dict[str, Path]) -> None:
+    kv, tensors = fields(models["dense"])
+    assert kv["general.architecture"] == "qwen3"
+    assert kv["qwen3.feed_forward_length"] == 128
+    assert not any(k.startswith("qwen3.expert") for k in kv)
+    assert tuple(int(x) for x in tensors["blk.0.ffn_gate.weight"].shape) == (64, 128)
+    assert tuple(int(x) for x in tensors["blk.0.ffn_down.weight"].shape) == (128, 64)
+    assert not any("exps" in n or "gate_inp" in n for n in tensors)
+
+
+@pytest.mark.parametrize(("key", "dtype", "ftype"), [("moe-f16", T.F16, 1), ("moe-q8", T.Q8_0, 7)])
+def test_f16_and_q8_0(models: dict[str, Path], key: str, dtype: T, ftype: int) -> None:
+    kv, tensors = fields(models[key])
+    assert kv["general.file_type"] == ftype
+    assert tensors["blk.1.ffn_up_exps.weight"].tensor_type == dtype
+    assert tensors["token_embd.weight"].tensor_type == dtype
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == T.F32  # routers stay F32
+    assert tensors["blk.1.ffn_norm.weight"].tensor_type == T.F32
+    t = tensors["blk.1.ffn_up_exps.weight"]
+    values = gguf.quants.dequantize(t.data, t.tensor_type)
+    assert values.shape == (8, 32, 64)
+    assert float(values.std()) == pytest.approx(64**-0.5, rel=0.05)
+
+
+def test_big_tensors_are_written_in_bounded_chunks() -> None:
+    spec = mm.ModelSpec(n_layer=1, n_embd=2048, n_head=16, n_head_kv=4, head_dim=128,
+                        n_expert=128, n_ff_exp=768, dtype="f16")
+    vocab = mm.build_vocab()
+    experts = next(t for t in mm._plan(spec, vocab.size) if t.name.endswith("ffn_up_exps.weight"))
+    chunks = mm._chunks(spec, vocab, experts)
+    first = next(chunks)
+    assert first.nbytes <= 2 * mm.CHUNK_ELEMENTS * 2
+    assert first.nbytes < experts.nbytes // 32
+    assert mm.model_size(**vars(spec) | {"n_layer": 24}) > 10 * 2**30
+
+
+def test_spec_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mm.make_model(tmp_path / "x.gguf", dtype="q8_0", n_embd=48)
+    with pytest.raises(ValueError, match="head_dim >= 64"):
+        mm.make_model(tmp_path / "x.gguf", context_mix=1.0)
+    with pytest.raises(ValueError, match="n_expert_used"):
+        mm.ModelSpec(n_expert=4, n_expert_used=5)
+    assert not list(tmp_path.iterdir())
+
+
+def test_router_profile_heats_a_quarter_of_experts() -> None:
+    spec = mm.ModelSpec(n_expert=64, n_expert_used=4, router_skew=2.0)
+    boost = mm.router_profile(spec, 3)
+    assert np.count_nonzero(boost) == 16 and boost.max() == pytest.approx(2.0)
+    assert not np.array_equal(np.flatnonzero(boost), np.flatnonzero(mm.router_profile(spec, 4)))
+    assert not mm.router_profile(mm.ModelSpec(), 0).any()
+
+
+def test_cli_and_demo_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli.gguf"
+    assert mm.main_make_model(["--out", str(out), "--layers", "2", "--experts", "4",
+                               "--top-k", "1", "--dtype", "f16", "--router-skew", "1"]) == 0
+    kv, _ = fields(out)
+    assert kv["qwen3moe.block_count"] == 2 and kv["qwen3moe.expert_used_count"] == 1
+    assert str(out) in capsys.readouterr().out
+    assert mm.main_make_model(["--out", str(out), "--dtype", "q8_0", "--embd", "40"]) == 2
+
+    path = mm.ensure_demo_model(tmp_path / "data")
+    assert path == mm.demo_model_path(tmp_path / "data")
+    assert path == tmp_path / "data" / "models" / "bmoe-demo-moe.gguf"
+    stamp = path.stat().st_mtime_ns
+    assert mm.ensure_demo_model(tmp_path / "data").stat().st_mtime_ns == stamp
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+# --- vocabulary -----------------------------------------------------------------------
+
+
+def test_vocabulary() -> None:
+    v = mm.build_vocab()
+    b2u = mm.byte_to_unicode()
+    assert v.tokens[:256] == tuple(b2u[b] for b in range(256))
+    assert len(set(v.tokens)) == v.size and v.size % 64 == 0
+    assert len(v.merges) >= 200
+    index = set(v.tokens)
+    for merge in v.merges:
+        left, right = merge.split(" ")
+        assert {left, right, left + right} <= index, merge
+    types = {t: v.types[i] for t, i in v.ids.items()}
+    assert types["<|im_end|>"] == gguf.TokenType.CONTROL
+    assert types["<think>"] == gguf.TokenType.USER_DEFINED
+    assert mm.build_vocab(control_tags=True).types[v.ids["<think>"]] == gguf.TokenType.CONTROL
+    assert v.types[-1] == gguf.TokenType.UNUSED
+    assert mm.special_token_ids() == v.ids
+
+
+# --- templates ------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "City"}, "days": {"type": "integer"}},
+        "required": ["city"]}}}]
+CALL = {"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+    {"role": "assistant", "content": None, "reasoning_content": "Use the tool.",
+     "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c1", "content": "warm"},
+]
+
+
+@pytest.mark.parametrize("key", sorted(TEMPLATES))
+def test_generation_prompt_endings(key: str) -> None:
+    text = TEMPLATES[key]
+    msgs = [{"role": "user", "content": "hi"}]
+    on = render_chat(text, msgs, enable_thinking=True)
+    off = render_chat(text, msgs, enable_thinking=False)
+    prefill = key.endswith("think-prefill")
+    assert on == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" + (
+        "<think>\n" if prefill else "")
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    bare = render_chat(text, msgs, add_generation_prompt=False)
+    assert bare == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_hermes_renders_every_message_kind() -> None:
+    text = render_chat(TEMPLATES["hermes"], CONVERSATION, TOOLS)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert "\n" + json.dumps(TOOLS[0]) + "\n</tools>" in text
+    assert ("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+            "Use the tool.\n</think>\n\n<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+            "</tool_call><|im_end|>\n") in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
+                         "<tool_response>\nwarm\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    string_args = dict(CALL, function={"name": "f", "arguments": '{"a": 1}'})
+    msgs = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": "ok", "tool_calls": [string_args]}]
+    assert ('ok\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+            in render_chat(TEMPLATES["hermes"], msgs))
+
+
+def test_qwen3_coder_renders_every_message_kind() -> None:
+    text = render_chat(TEMPLATES["qwen3_coder"], CONVERSATION, TOOLS)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\nYou have access")
+    assert ("<function>\n<name>get_weather</name>\n<description>Get the weather</description>\n"
+            "<parameters>\n<parameter>\n<name>city</name>\n<type>string</type>\n"
+            "<description>City</description>\n</parameter>") in text
+    assert '<required>["city"]</required>' in text
+    assert ("<think>\nUse the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+            "</function>\n</tool_call><|im_end|>\n") in text
+    assert "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm" in text
+    no_system = render_chat(TEMPLATES["qwen3_coder"], CONVERSATION[1:2], TOOLS)
+    assert no_system.startswith("<|im_start|>system\nYou are Qwen, a helpful AI assistant")
+    bad = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}]
+    with pytest.raises(ValueError, match="must be an object"):
+        render_chat(TEMPLATES["qwen3_coder"], bad)
+
+
+@pytest.mark.parametrize("framing", ["hermes", "qwen3_coder"])
+def test_reasoning_is_kept_only_after_the_last_query(framing: str) -> None:
+    msgs = [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "<think>\nold thought\n</think>\n\nfirst"},
+        {"role": "user", "content": "two"},
+        {"role": "assistant", "content": "second", "reasoning_content": "new thought"},
+    ]
+    text = render_chat(chat_template(framing), msgs, add_generation_prompt=False)
+    assert "old thought" not in text
+    assert "<|im_start|>assistant\nfirst<|im_end|>" in text
+    assert text.endswith(
+        "<|im_start|>assistant\n<think>\nnew thought\n</think>\n\nsecond<|im_end|>\n")
+    with pytest.raises(ValueError, match="unexpected message role"):
+        render_chat(chat_template(framing), [{"role": "robot", "content": "x"}])
+
+
+@pytest.mark.parametrize("key", sorted(TEMPLATES))
+def test_templates_render_the_same_in_llama_cpp_python(key: str) -> None:
+    chat_format = pytest.importorskip("llama_cpp.llama_chat_format")
+    formatter = chat_format.Jinja2ChatFormatter(
+        template=TEMPLATES[key], eos_token="<|im_end|>", bos_token="")
+    for thinking in (True, False):
+        got = formatter(messages=CONVERSATION, tools=TOOLS, enable_thinking=thinking).prompt
+        assert got == render_chat(TEMPLATES[key], CONVERSATION, TOOLS, enable_thinking=thinking)
+
+
+# --- llama.cpp ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_cpp() -> Any:
+    return pytest.importorskip("llama_cpp")
+
+
+@pytest.mark.parametrize("key", ["moe", "dense", "moe-f16", "moe-q8", "dense-q8", "ctx"])
+def test_llama_cpp_loads_and_generates(
+    llama_cpp: Any, models: dict[str, Path], key: str
+) -> None:
+    llm = llama_cpp.Llama(model_path=str(models[key]), n_ctx=256, verbose=False)
+    try:
+        assert llm.n_ctx() == 256 and llm.n_vocab() == mm.build_vocab().size
+        assert llm.metadata["tokenizer.chat_template"].startswith("{%- macro content_text")
+        prompt = render_chat(llm.metadata["tokenizer.chat_template"],
+                             [{"role": "user", "content": "hello world"}])
+        runs = [llm.create_completion(prompt, max_tokens=24, temperature=0.0) for _ in range(2)]
+    finally:
+        llm.close()
+    first = runs[0]["choices"][0]
+    assert first["finish_reason"] == "length" and runs[0]["usage"]["completion_tokens"] == 24
+    assert first["text"] == runs[1]["choices"][0]["text"]
+    assert set(first["text"]) <= set(map(chr, range(0x20, 0x7F))) | {"\n", "\t"}
+
+
+def test_llama_cpp_tokenizer(llama_cpp: Any, models: dict[str, Path]) -> None:
+    llm = llama_cpp.Llama(model_path=str(models["moe"]), n_ctx=64, verbose=False)
+    try:
+        ids = mm.special_token_ids()
+        hello = llm.tokenize(b"hello world", add_bos=False)
+        assert len(hello) < len(b"hello world")
+        assert llm.detokenize(hello) == b"hello world"
+        for text, tid in ids.items():
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == [tid], text
+        # Tags are user-defined tokens, as in Qwen3's GGUFs: whole even without parse_special,
+        # and rendered by detokenisation; control tokens are neither.
+        assert llm.tokenize(b"<think>", add_bos=False, special=False) == [ids["<think>"]]
+        assert llm.detokenize([ids["</tool_call>"]]) == b"</tool_call>"
+        assert len(llm.tokenize(b"<|im_end|>", add_bos=False, special=False)) > 1
+        assert llm.detokenize([ids["<|im_end|>"]]) == b""
+        assert llm.token_eos() == ids["<|im_end|>"]
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        eog = {i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+        assert eog == {ids["<|im_end|>"], ids["<|endoftext|>"]}
+        assert llama_cpp.llama_model_n_ctx_train(llm.model) == 32768
+    finally:
+        llm.close()
