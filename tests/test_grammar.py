@@ -396,7 +396,7 @@ def assert_parses_to(text: str, framing: str, starts: bool, calls: list[tuple[st
 
 
 def test_hermes_grammar() -> None:
-    grammar = tool_call_grammar("hermes", TOOLS, allow_reasoning=True)
+    grammar = tool_call_grammar("hermes", TOOLS, allow_reasoning=True, parallel=True)
     g = check(grammar)
     for name in ("get_weather", "ping", "ns.tool-1"):
         assert f'\\"{name}\\"' in grammar
@@ -438,7 +438,7 @@ def test_hermes_grammar_without_reasoning_and_from_inside_it() -> None:
 
 
 def test_coder_grammar() -> None:
-    grammar = tool_call_grammar("qwen3_coder", TOOLS, allow_reasoning=True)
+    grammar = tool_call_grammar("qwen3_coder", TOOLS, allow_reasoning=True, parallel=True)
     g = check(grammar)
     assert "<function=get_weather>" in grammar and "<function=ping>" in grammar
     good: list[tuple[str, list[tuple[str, Any]]]] = [
@@ -577,7 +577,7 @@ def test_tags_are_single_tokens(vocab: VocabSampler) -> None:
 
 
 def test_sampler_follows_the_hermes_grammar(vocab: VocabSampler) -> None:
-    grammar = tool_call_grammar("hermes", TOOLS, allow_reasoning=True)
+    grammar = tool_call_grammar("hermes", TOOLS, allow_reasoning=True, parallel=True)
     text = ("<think>\nWeather <b>first</b>.\n</think>\n\n"
             + hermes("get_weather", {"city": "Zürich", "days": 2}) + "\n" + hermes("ping", {}))
     assert vocab.accepts(grammar, text)
@@ -613,3 +613,25 @@ def test_json_answer_after_reasoning() -> None:
     parser = OutputParser(None, True)
     parser.feed("Norway.\n</think>\n\n" + answer)
     assert json.loads(parser.finish().content) == {"city": "Oslo"}
+
+
+def test_one_call_unless_parallel() -> None:
+    one = check(tool_call_grammar("hermes", TOOLS, allow_reasoning=False))
+    two = hermes("ping", {}) + "\n" + hermes("ping", {})
+    assert one.matches(hermes("ping", {}))
+    assert not one.matches(two)
+    assert check(tool_call_grammar("hermes", TOOLS, allow_reasoning=False,
+                                   parallel=True)).matches(two)
+
+
+def test_coder_bounded_and_enum_strings() -> None:
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"type": "string", "enum": ["red", "blue"]},
+                                         "tag": {"type": "string", "maxLength": 3}},
+        "required": ["color", "tag"]}}}]
+    g = check(tool_call_grammar("qwen3_coder", tools, allow_reasoning=False))
+    call = ("<tool_call>\n<function=pick>\n<parameter=color>\n{c}\n</parameter>\n"
+            "<parameter=tag>\n{t}\n</parameter>\n</function>\n</tool_call>")
+    assert g.matches(call.format(c="red", t="ab"))
+    assert not g.matches(call.format(c="green", t="ab"))
+    assert not g.matches(call.format(c="blue", t="abcd"))

@@ -287,7 +287,7 @@ def llama_cpp() -> Any:
 def test_llama_cpp_loads_and_generates(
     llama_cpp: Any, models: dict[str, Path], key: str
 ) -> None:
-    llm = llama_cpp.Llama(model_path=str(models[key]), n_ctx=256, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(models[key]), n_ctx=256, n_threads=1, verbose=False)
     try:
         assert llm.n_ctx() == 256 and llm.n_vocab() == mm.build_vocab().size
         assert llm.metadata["tokenizer.chat_template"].startswith("{%- macro content_text")
@@ -303,7 +303,7 @@ def test_llama_cpp_loads_and_generates(
 
 
 def test_llama_cpp_tokenizer(llama_cpp: Any, models: dict[str, Path]) -> None:
-    llm = llama_cpp.Llama(model_path=str(models["moe"]), n_ctx=64, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(models["moe"]), n_ctx=64, n_threads=1, verbose=False)
     try:
         ids = mm.special_token_ids()
         hello = llm.tokenize(b"hello world", add_bos=False)

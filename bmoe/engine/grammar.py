@@ -287,11 +287,13 @@ def function_tools(tools: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str,
 
 
 def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reasoning: bool,
-                      starts_in_reasoning: bool = False) -> str:
+                      starts_in_reasoning: bool = False, parallel: bool = False) -> str:
     """The output of a turn that must call a tool, in the template's framing.
 
     ``starts_in_reasoning``: the prompt left ``<think>`` open, so the output begins
     inside the span and must close it (at once, when reasoning is not allowed).
+    ``parallel``: several calls may follow each other (else exactly one, as
+    llama.cpp's server does unless ``parallel_tool_calls`` is set).
     """
     functions = function_tools(tools)
     if framing == HERMES:
@@ -301,8 +303,9 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     else:
         raise ValueError(f"no tool-call grammar for framing {framing!r}")
     rules = conv._rules
+    more = " ( bmoe-gap bmoe-call )*" if parallel else ""
     rules["root"] = f"{_reasoning_prefix(rules, allow_reasoning, starts_in_reasoning)}" \
-                    "bmoe-call ( bmoe-gap bmoe-call )*"
+                    f"bmoe-call{more}"
     rules["bmoe-gap"] = GAP_RULE
     rules["bmoe-call"] = f'{gbnf_literal(CALL_OPEN + chr(10))} ( {" | ".join(bodies)} ) ' \
                          f'{gbnf_literal(CALL_CLOSE)}'
@@ -358,9 +361,22 @@ def _coder_function(conv: _Converter, rule: str, name: str, params: dict[str, An
     return f"bmoe-{rule}"
 
 
+def _string_enum(schema: dict[str, Any]) -> list[str]:
+    values = schema.get("enum")
+    if isinstance(values, list) and values and all(isinstance(v, str) for v in values):
+        return values
+    return []
+
+
 def _coder_parameter(conv: _Converter, rule: str, key: str, schema: dict[str, Any]) -> str:
-    types = schema_types(conv.deref(schema))
-    if not types or "string" in types:
+    resolved = conv.deref(schema)
+    types = schema_types(resolved)
+    if types == frozenset({"string"}) and _string_enum(resolved):
+        value = "( " + " | ".join(gbnf_literal(v) for v in _string_enum(resolved)) + " )"
+    elif types == frozenset({"string"}) and isinstance(resolved.get("maxLength"), int):
+        # A bounded value: raw text without markup, at most maxLength characters.
+        value = f"[^<]{{0,{max(0, resolved['maxLength'])}}}"
+    elif not types or "string" in types:
         value = "bmoe-param-text"  # raw text, as llama.cpp's grammar keeps it
     else:
         value = conv.visit(schema, rule)

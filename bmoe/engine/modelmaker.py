@@ -64,6 +64,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import zlib
 from collections import Counter
@@ -74,6 +75,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
+from bmoe.engine.templates import FRAMINGS, chat_template
 
 ARCHS = ("qwen3moe", "qwen3")
 DTYPES = ("f32", "f16", "q8_0")
@@ -182,8 +185,13 @@ class ModelSpec:
             yield "context_width must be >= 1 token"
         if self.embed_scale <= 0 or self.residual_scale < 0:
             yield "embed_scale must be > 0 and residual_scale >= 0"
-        if self.template not in ("hermes", "qwen3_coder"):
-            yield f"template {self.template!r} is not hermes or qwen3_coder"
+        if self.template not in FRAMINGS:
+            yield f"template {self.template!r} is not one of {FRAMINGS}"
+        if self.context_mix > 0 and self.context_width >= 1:
+            try:
+                context_kernel(self)
+            except ValueError as e:
+                yield str(e)
 
     def _row_widths(self) -> Iterator[tuple[str, int]]:
         yield "n_embd", self.n_embd
@@ -303,8 +311,9 @@ def _pairs(word: Sequence[str]) -> Iterator[tuple[str, str]]:
 
 def train_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
     """Classic BPE training; ties go to the lexicographically smallest pair."""
-    words = [list(w) for w in _pretokens(text)]
-    freqs = list(_pretokens(text).values())
+    counted = _pretokens(text)
+    words = [list(w) for w in counted]
+    freqs = list(counted.values())
     counts: Counter[tuple[str, str]] = Counter()
     where: dict[tuple[str, str], set[int]] = {}
     for i, word in enumerate(words):
@@ -699,7 +708,9 @@ def _encode(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.quantize(values.astype(np.float32), qtype)
 
 
-def _bulk_chunk(rng: np.random.Generator, n: int, std: float, qtype: int) -> np.ndarray:
+def _bulk_chunk(
+    rng: np.random.Generator, n: int, std: float, qtype: gguf.GGMLQuantizationType
+) -> np.ndarray:
     idx = _indices(rng, n)
     if qtype == gguf.GGMLQuantizationType.F32:
         return (_normal_table() * std).astype(np.float32)[idx]
@@ -739,8 +750,6 @@ def _chunks(spec: ModelSpec, vocab: Vocab, t: _Tensor) -> Iterator[np.ndarray]:
 
 
 def _add_metadata(w: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
-    from bmoe.engine.templates import chat_template
-
     w.add_name(spec.model_name)
     w.add_file_type(int(_FILE_TYPES[spec.dtype]))
     if spec.dtype == "q8_0":
@@ -814,9 +823,12 @@ def make_model(path: str | os.PathLike[str], **params: object) -> Path:
     spec = ModelSpec(**params)  # type: ignore[arg-type]
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
         _write(spec, tmp)
+        tmp.chmod(0o644)  # mkstemp makes it private; a model file is not a secret
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -863,7 +875,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ff", type=int, default=128, help="dense FFN width (qwen3)")
     p.add_argument("--ctx-train", type=int, default=32768)
     p.add_argument("--dtype", choices=DTYPES, default="f32")
-    p.add_argument("--template", choices=("hermes", "qwen3_coder"), default="hermes")
+    p.add_argument("--template", choices=FRAMINGS, default="hermes")
     p.add_argument("--think-prefill", action="store_true")
     p.add_argument("--router-skew", type=float, default=0.0,
                    help="logit boost of the hottest expert, in router-noise sigmas")

@@ -166,9 +166,10 @@ class Session:
             flag = self._abort_flag
             return bool(flag is not None and flag.is_set())
 
+        # The abort callback runs between graph nodes (Python, under the GIL): it is
+        # installed only while a prefill runs; single-token decodes are cancelled
+        # between tokens instead.
         self._abort_ref = _abort
-        cparams.abort_callback = _abort
-        cparams.abort_callback_data = None
         if self.streamer is not None:
             self.streamer.configure_context_params(cparams)
         self.ctx = lc.llama_init_from_model(self.model, cparams)
@@ -305,12 +306,14 @@ class Session:
         t0 = time.monotonic()
         reused = self._reuse_prefix(prompt)
         self._abort_flag = cancel
+        lc.llama_set_abort_callback(self.ctx, self._abort_ref, None)
         try:
             self._decode(prompt[reused:], reused, want_logits=True)
         except _Aborted:
             lc.llama_memory_seq_rm(self.memory, 0, reused, -1)
             raise
         finally:
+            lc.llama_set_abort_callback(self.ctx, _NO_ABORT, None)
             self._abort_flag = None
         self.kv_tokens = list(prompt)
         return reused, time.monotonic() - t0
@@ -418,6 +421,9 @@ class Session:
     def clear_kv(self) -> None:
         lc.llama_memory_clear(self.memory, True)
         self.kv_tokens = []
+
+
+_NO_ABORT = ctypes.cast(None, lc.ggml_abort_callback)
 
 
 class _Aborted(Exception):

@@ -30,6 +30,9 @@ class TurnRequest:
     max_tokens: int = 0                              # 0 = no ceiling but the context
     think: bool = True
     schema: dict[str, Any] | None = None             # JSON schema for the answer
+    grammar: str | None = None                       # a GBNF the answer must match (llama.cpp's field)
+    grammar_tools: list[dict[str, Any]] | None = None  # the tools a required call may name
+    parallel_calls: bool = False                     # a required turn may make several calls
 
 
 @dataclass

@@ -83,11 +83,14 @@ def grammar_for(session: Any, req: TurnRequest, framing: str | None,
             if framing is None:
                 raise EngineError("template_rejected", "This model's chat template has no tool-"
                                   "call format the server knows, so a call cannot be required.")
-            tools = getattr(req, "grammar_tools", None) or req.tools
+            tools = req.grammar_tools or req.tools
             return grammar.tool_call_grammar(framing, tools, allow_reasoning=req.think,
-                                             starts_in_reasoning=starts_in_reasoning)
+                                             starts_in_reasoning=starts_in_reasoning,
+                                             parallel=req.parallel_calls)
         if req.schema is not None:
             return _schema_grammar(req.schema, req.think, starts_in_reasoning)
+        if req.grammar:
+            return req.grammar
     except ValueError as e:
         raise EngineError("invalid_request", str(e)) from None
     return None

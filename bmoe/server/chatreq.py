@@ -109,3 +109,22 @@ def no_vision() -> HTTPError:
 def count_images(n: int) -> None:
     if n > MAX_IMAGES:
         raise invalid_request(f"A request may carry at most {MAX_IMAGES} images; this one has {n}.")
+
+
+def system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One system message, at the start: a chat template takes no other.
+
+    The leading run of system messages becomes one (their texts joined by a blank
+    line); a system message later in the conversation becomes a user message in its
+    place, which leaves the prompt before it, and so the KV prefix, unchanged.
+    """
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out: list[dict[str, Any]] = []
+    texts = [m["content"] for m in messages[:lead] if m["content"]]
+    if lead:
+        out.append({"role": "system", "content": "\n\n".join(texts)})
+    for m in messages[lead:]:
+        out.append({**m, "role": "user"} if m["role"] == "system" else m)
+    return out

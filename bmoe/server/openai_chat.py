@@ -13,7 +13,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from . import chatreq
-from .chatoutput import TurnOutput, check_json_answer, engine_http_error
+from .chatoutput import TurnOutput, check_json_answer, engine_http_error, grammar_for
 from .state import ServerState
 from .turnrunner import Batch, TurnRun
 from .validate import field, object_list
@@ -178,13 +178,15 @@ def build_turn(state: ServerState, body: dict[str, Any]) -> tuple[TurnRequest, s
         raise invalid_request("`n` above 1 is not supported: the server answers one choice.")
     field(body, "stream", bool, False)
     field(body, "stream_options", dict, None)
-    if named and tools:
-        tools_for_grammar = [t for t in tools if t["function"]["name"] == named]
-    else:
-        tools_for_grammar = None
+    gbnf = field(body, "grammar", str)
+    if gbnf is not None and (schema is not None or choice == "required"):
+        raise invalid_request("`grammar` cannot be combined with an output schema or a required "
+                              "tool call.")
+    grammar_tools = [t for t in tools if t["function"]["name"] == named] if named and tools else None
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, max_tokens=budget,
-                      think=think, schema=schema)
-    req.grammar_tools = tools_for_grammar  # type: ignore[attr-defined]
+                      think=think, schema=schema, grammar=gbnf or None,
+                      grammar_tools=grammar_tools,
+                      parallel_calls=field(body, "parallel_tool_calls", bool, False))
     return req, named
 
 
@@ -299,11 +301,6 @@ class ChatCompletion:
         if delta.pop("reset", False):
             return self.chunk(delta, extra={"bmoe": {"reset": True}})
         return self.chunk(delta)
-
-
-def grammar_for(session: Any, req: TurnRequest, framing: str | None, starts: bool) -> str | None:
-    from .chatoutput import grammar_for as _g
-    return _g(session, req, framing, starts)
 
 
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:

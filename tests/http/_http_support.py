@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from bmoe.http.access import AccessPolicy
-from bmoe.http.connection import CONTENT_SECURITY_POLICY, serve_connection
+from bmoe.http.connection import serve_connection
 from bmoe.http.errors import HTTPError, invalid_request
 from bmoe.http.routes import RouteTable
 from bmoe.http.server import ErrorShaper, HttpApp
@@ -22,6 +22,11 @@ PORT = 8765
 HOST = f"127.0.0.1:{PORT}"
 LOOPBACK_PEER = ("127.0.0.1", 40000)
 NETWORK_PEER = ("192.168.7.20", 40000)
+# The spec's policy, written out here rather than imported, so a change shows.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; font-src 'self'; "
+    "connect-src 'self'; media-src 'none'; object-src 'none'; frame-src 'self' blob:; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'")
 SECURITY_HEADER_NAMES = ["content-security-policy", "x-content-type-options",
                          "referrer-policy", "x-frame-options"]
 

@@ -24,6 +24,10 @@ from _http_support import (
 from bmoe.http import limits
 from bmoe.http.access import AccessPolicy
 from bmoe.http.connection import PeerGone, QueuePressure, serve_connection
+from bmoe.http.routes import RouteTable
+from bmoe.http.server import HttpApp
+from bmoe.http.sse import sse_done
+from bmoe.http.types import Request, Send, StreamResponse
 
 GET_PING = request_bytes("GET", "/api/ping")
 
@@ -417,3 +421,21 @@ def test_one_idle_connection_gives_way_per_queued_connection() -> None:
             for client in clients:
                 await client.aclose()
     run(main)
+
+
+def test_head_on_a_stream_gets_headers_only() -> None:
+    response = one(make_app(), request_bytes("HEAD", "/api/stream"), head_only=True)
+    assert response.status == 200 and response.body == b""
+    assert response.header("content-type") == "text/event-stream"
+
+
+def test_a_bare_event_stream_still_gets_no_cache() -> None:
+    async def bare(request: Request) -> StreamResponse:
+        async def produce(send: Send) -> None:
+            await send(sse_done())
+        return StreamResponse(produce)
+
+    routes = RouteTable()
+    routes.add("GET", "/api/bare", bare)
+    response = one(HttpApp(routes, AccessPolicy("127.0.0.1", PORT)), request_bytes("GET", "/api/bare"))
+    assert response.header("cache-control") == "no-cache" and response.body == sse_done()

@@ -1,0 +1,145 @@
+"""Tokens/s of the tiny MoE: a bare llama-cpp-python loop vs bmoe's engine vs bmoe-server.
+
+    python bench/serve_vs_bare.py [--tokens 2000] [--runs 3]
+
+Baseline (measured in the same run): a bare greedy loop over llama-cpp-python's
+low-level API (sample, decode one token, repeat) with the same model, context and
+threads. Then bmoe's Session (the engine loop the server runs, with its per-token
+telemetry), and a streamed `/v1/chat/completions` through a real bmoe-server
+(client-side: tokens ÷ time from the first to the last content chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import http.client
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import llama_cpp as lc  # noqa: E402
+
+from bmoe.engine.modelmaker import make_model  # noqa: E402
+from bmoe.engine.session import Session  # noqa: E402
+from bmoe.engine.turn import TurnRequest, prepare, run_turn  # noqa: E402
+
+PROMPT = "Tell me a long story about the sea."
+THREADS = 2
+N_CTX = 4096
+
+
+def bare_loop(model_path: Path, prompt_tokens: list[int], n: int) -> float:
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = N_CTX, 512, 512
+    cp.n_threads = cp.n_threads_batch = THREADS
+    ctx = lc.llama_init_from_model(model, cp)
+    vocab = lc.llama_model_get_vocab(model)
+    smpl = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    lc.llama_sampler_chain_add(smpl, lc.llama_sampler_init_greedy())
+    arr = (lc.llama_token * len(prompt_tokens))(*prompt_tokens)
+    lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(prompt_tokens)))
+    one = (lc.llama_token * 1)()
+    t0 = time.perf_counter()
+    count = 0
+    for _ in range(n):
+        tok = lc.llama_sampler_sample(smpl, ctx, -1)
+        if lc.llama_vocab_is_eog(vocab, tok):
+            break
+        one[0] = tok
+        lc.llama_decode(ctx, lc.llama_batch_get_one(one, 1))
+        count += 1
+    dt = time.perf_counter() - t0
+    lc.llama_sampler_free(smpl)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return count / dt
+
+
+def engine_loop(model_path: Path, n: int) -> tuple[float, list[int]]:
+    s = Session(model_path, {"ctx-size": N_CTX, "threads": THREADS})
+    try:
+        req = TurnRequest(messages=[{"role": "user", "content": PROMPT}], max_tokens=n,
+                          think=False)
+        p = prepare(s, req)
+        r = run_turn(s, p, req, threading.Event(), lambda ev, rec: None)
+        g = r.generation
+        return len(g.tokens) / g.decode_s, p.tokens
+    finally:
+        s.close()
+
+
+def server_stream(model_path: Path, n: int) -> float:
+    data = Path(tempfile.mkdtemp(prefix="bmoe-bench-"))
+    proc = subprocess.Popen([sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
+                             str(data), "-m", str(model_path), "-c", str(N_CTX), "--threads",
+                             str(THREADS)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split("listening on", 1)[1].strip().rstrip("/")
+        host, port = url.split("//")[1].rsplit(":", 1)
+        while True:
+            c = http.client.HTTPConnection(host, int(port))
+            c.request("GET", "/api/info")
+            if json.loads(c.getresponse().read())["state"] == "ready":
+                break
+            time.sleep(0.05)
+        c = http.client.HTTPConnection(host, int(port), timeout=300)
+        body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": n,
+                           "stream": True, "chat_template_kwargs": {"enable_thinking": False}})
+        c.request("POST", "/v1/chat/completions", body=body,
+                  headers={"Content-Type": "application/json"})
+        resp = c.getresponse()
+        first = last = 0.0
+        tokens = 0
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "bmoe" in chunk and "summary" in chunk["bmoe"]:
+                tokens = chunk["bmoe"]["summary"]["tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+        return (tokens - 1) / (last - first) if last > first else 0.0
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bmoe-bench-model-"))
+    model = make_model(tmp / "tiny-moe.gguf")  # 4 layers, 8 experts, top-2, 64 wide
+    bare, eng, srv = [], [], []
+    for _ in range(args.runs):
+        e, prompt_tokens = engine_loop(model, args.tokens)
+        eng.append(e)
+        bare.append(bare_loop(model, prompt_tokens, args.tokens))
+        srv.append(server_stream(model, args.tokens))
+    b, e, s = (statistics.median(x) for x in (bare, eng, srv))
+    print(f"model: {model.name} (qwen3moe, 4 layers, 8 experts, top-2, 64 wide), "
+          f"{args.tokens} tokens, {THREADS} threads, median of {args.runs}")
+    print(f"bare llama-cpp-python loop : {b:8.0f} tok/s   (baseline)")
+    print(f"bmoe engine (Session)      : {e:8.0f} tok/s   ({e / b:.2f}x baseline)")
+    print(f"bmoe-server streamed chat  : {s:8.0f} tok/s   ({s / b:.2f}x baseline)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
