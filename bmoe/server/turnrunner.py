@@ -65,6 +65,7 @@ class TurnRun:
         pipe = TokenPipe(self.cancel)
         state.current_cancel = self.cancel
         state.generating = True
+        state.publish_state()
 
         def job() -> TurnResult:
             try:
@@ -90,6 +91,7 @@ class TurnRun:
             state.generating = False
             if state.current_cancel is self.cancel:
                 state.current_cancel = None
+            state.publish_state()
         result: TurnResult = await wait_future(fut)
         state.bus.publish("done", result.summary)
         log_turn(state, result)
