@@ -14,6 +14,7 @@ from ..http.errors import HTTPError, invalid_request
 
 MAX_IMAGES = 8
 N_PREDICT_MAX = 2**20
+MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in one schema; the grammar builder recurses
 
 
 def thinking(config_values: dict[str, Any], user_keys: list[str], *,
@@ -61,7 +62,39 @@ def schema_object(value: Any, name: str) -> dict[str, Any] | None:
         raise invalid_request(f"`{name}` must be a JSON object schema; boolean schemas are not supported.")
     if not isinstance(value, dict):
         raise invalid_request(f"`{name}` must be a JSON object schema.")
+    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        raise invalid_request(f"`{name}` nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep.")
     return value or {"type": "object"}
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep objects and arrays nest in ``value`` (a loop: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def refuse_lone_surrogates(body: Any) -> None:
+    """Text the model reads must be Unicode: a lone surrogate (``"\\ud800"``, valid JSON
+    syntax) has no UTF-8 form, so it cannot be tokenized: a 400, not the tokenizer's fault."""
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise invalid_request("The request holds a lone UTF-16 surrogate (such as "
+                                      "\\ud800), which is not text.") from None
+        elif isinstance(node, dict):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            stack += node
 
 
 def response_format_schema(response_format: Any, top_level: Any) -> dict[str, Any] | None:
