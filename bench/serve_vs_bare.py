@@ -32,7 +32,7 @@ from bmoe.engine.session import Session  # noqa: E402
 from bmoe.engine.turn import TurnRequest, prepare, run_turn  # noqa: E402
 
 PROMPT = "Tell me a long story about the sea."
-THREADS = 2
+THREADS = int(__import__("os").environ.get("BENCH_THREADS", "2"))
 N_CTX = 4096
 
 

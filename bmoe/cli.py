@@ -1,19 +1,35 @@
-"""`bmoe-cli`: one-shot generation, the model maker, and the parameter table.
+"""`bmoe-cli`: one-shot generation, a line-protocol session, the model maker, the table.
 
     bmoe-cli make-model --out tiny.gguf            write a test/benchmark GGUF
     bmoe-cli --describe-params                     the parameter table as JSON
     bmoe-cli -m MODEL -p PROMPT [flags]            stream one answer
+    bmoe-cli -m MODEL -p PROMPT --progress         ... as the telemetry contract's lines
+    bmoe-cli -m MODEL -p PROMPT --csv run.csv      ... plus one CSV row per token
+    bmoe-cli -m MODEL --session                    JSON requests on stdin, lines on stdout
+
+The output lines are the telemetry contract (docs: ../shared/spec/telemetry.md):
+`BMOE_LOAD` / `BMOE_PROGRESS` per token, the `=== answer ===` / `=== perf ===` banners
+and the `generation:` / `moe-stream:` / `moe-cache:` lines; in session mode the control
+lines `BMOE_READY`, `BMOE_BEGIN`, `BMOE_DONE`, `BMOE_DECIDE`, `BMOE_ERROR`. Messages
+name settings by their flag (`params.render(..., "flag")`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 import threading
-from typing import Any
+from dataclasses import dataclass, field
+from typing import IO, Any, Callable
 
 from .engine import params
+
+MIB = 1 << 20
+CSV_HEADER = "step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms"
+MAX_LINE_BYTES = 16 * MIB     # one session request; a longer line is refused whole
+NO_ID = -1                    # the id of an error about a line that named none
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", help="the user message to answer")
     p.add_argument("--describe-params", action="store_true",
                    help="print the parameter table as JSON and exit")
+    p.add_argument("--progress", action="store_true",
+                   help="machine-readable per-token lines and the answer / perf banners")
+    p.add_argument("--csv", metavar="PATH", help="write one CSV row per token to PATH")
+    p.add_argument("--session", action="store_true",
+                   help="keep the model loaded: JSON requests on stdin, one per line")
     params.add_cli_flags(p, server=False)
     return p
 
@@ -38,48 +59,375 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     values = params.defaults(server=False)
     values.update(params.values_from_namespace(args))
-    if not values.get("model") or args.prompt is None:
-        print("bmoe-cli: give a model (-m PATH) and a prompt (-p TEXT); see --help.",
-              file=sys.stderr)
+    if not values.get("model") or (args.prompt is None and not args.session):
+        print("bmoe-cli: give a model (-m PATH) and a prompt (-p TEXT) or --session; "
+              "see --help.", file=sys.stderr)
         return 2
     error = params.validate(values)
     if error:
         print("bmoe-cli: " + params.render(error, "flag"), file=sys.stderr)
         return 2
-    return generate_once(values, args.prompt)
+    out = Console(sys.stdout)
+    if args.session:
+        return run_session(values, out, sys.stdin.buffer)
+    return generate_once(values, args.prompt, out, progress=args.progress, csv_path=args.csv)
 
 
-def generate_once(values: dict[str, Any], prompt: str) -> int:
-    from .engine.errors import EngineError
+# --- output ------------------------------------------------------------------------------
+
+class Console:
+    """Whole lines to a text stream, one writer at a time (the session's two threads)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(text)
+            self.stream.flush()
+
+    def tagged(self, tag: str, obj: dict[str, Any]) -> None:
+        self.write(f"{tag} {dumps(obj)}\n")
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON on one line; a lone surrogate (from a client's JSON) is escaped."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, separators=(",", ":"))
+    return text
+
+
+def _r(value: Any, digits: int = 3) -> float:
+    return round(float(value or 0.0), digits)
+
+
+def progress_lines(rec: dict[str, Any], text: str) -> str:
+    """`BMOE_LOAD` (only when experts were read) and `BMOE_PROGRESS` for one token."""
+    read_mib = float(rec.get("read_mib", 0.0) or 0.0)
+    lines = ""
+    if read_mib > 0:
+        lines += f"BMOE_LOAD {dumps({'mb': _r(read_mib, 4), 'ms': _r(rec.get('io_ms'))})}\n"
+    progress = {
+        "step": rec["step"], "steps": rec["steps"], "wall_ms": _r(rec.get("wall_ms")),
+        "io_ms": _r(rec.get("io_ms")), "compute_ms": _r(rec.get("compute_ms")),
+        "mgmt_ms": _r(rec.get("mgmt_ms")), "stall_ms": _r(rec.get("stall_ms")),
+        "read_mb": _r(read_mib, 4), "cache_hit_pct": _r(rec.get("cache_hit_pct", -1), 2),
+        "text": text}
+    return lines + f"BMOE_PROGRESS {dumps(progress)}\n"
+
+
+def csv_row(rec: dict[str, Any], telemetry: dict[str, Any]) -> str:
+    read_bytes = telemetry.get("read_bytes")
+    if read_bytes is None:
+        read_bytes = round(float(rec.get("read_mib", 0.0) or 0.0) * MIB)
+    cells = [rec["step"], rec["steps"], _r(rec.get("wall_ms")), _r(rec.get("io_ms")),
+             _r(rec.get("compute_ms")), int(read_bytes), _r(rec.get("cache_hit_pct", -1), 2),
+             _r(rec.get("stall_ms")), _r(rec.get("mgmt_ms"))]
+    return ",".join(str(c) for c in cells) + "\n"
+
+
+def csv_summary(s: dict[str, Any]) -> str:
+    s_tok = 1.0 / s["tok_s"] if s["tok_s"] else 0.0
+    return (f"# summary tokens={s['tokens']} s/tok={s_tok:.6f} tok/s={s['tok_s']:.3f} "
+            f"read_mib={s['read_mib']:.3f} io_s/tok={s['io_s_tok']:.6f} "
+            f"compute_s/tok={s['compute_s_tok']:.6f} stall_s/tok={s['stall_s_tok']:.6f} "
+            f"mgmt_s/tok={s['mgmt_s_tok']:.6f} cache_hit_pct={float(s['cache_hit_pct']):.2f} "
+            f"prefill_s={s['prefill_s']:.4f} n_prompt={s['n_prompt']}\n")
+
+
+def perf_lines(s: dict[str, Any], streamer: dict[str, Any] | None) -> str:
+    """`generation:`, then `moe-stream:` when experts stream and `moe-cache:` when a
+    cache is active (``streamer`` is the streamer's summary, None without one)."""
+    n, tok_s = s["tokens"], s["tok_s"]
+    s_tok = 1.0 / tok_s if tok_s else 0.0
+    out = f"generation: {n} tokens, {s_tok:.4f} s/token ({tok_s:.2f} tok/s)\n"
+    if streamer is None:
+        return out
+    read = float(s["read_mib"])
+    io_total = s["io_s_tok"] * n
+    bw = read / io_total if io_total > 0 else 0.0
+    out += (f"moe-stream: read {read:.1f} MiB ({read / n if n else 0.0:.2f} MiB/token), "
+            f"decode {s_tok:.4f} s/token (compute {s['compute_s_tok']:.4f} + cache mgmt "
+            f"{s['mgmt_s_tok']:.4f} + flash I/O {s['io_s_tok']:.4f} s/token, {bw:.1f} MiB/s)")
+    if streamer.get("overlap"):
+        out += f", stall_s/tok={s['stall_s_tok']:.4f}"
+    out += "\n"
+    if float(s["cache_hit_pct"]) >= 0:
+        out += (f"moe-cache: {float(s['cache_hit_pct']):.1f}% hit, resident "
+                f"{float(s['cache_resident_mib']):.1f} MiB\n")
+    return out
+
+
+# --- running one turn ----------------------------------------------------------------------
+
+def open_session(values: dict[str, Any]) -> Any:
     from .engine.session import Session
+    # The expert streamer plugs in here once bmoe.engine.experts offers a factory.
+    return Session(values["model"], values, None)
+
+
+@dataclass
+class TurnSink:
+    """What one turn's tokens go to: the console (inline text or progress lines) and a CSV."""
+
+    out: Console
+    progress: bool
+    csv: IO[str] | None = None
+    pieces: list[str] = field(default_factory=list)
+
+    def emit(self, ev: Any, rec: dict[str, Any]) -> None:
+        self.pieces.append(ev.text)
+        if self.progress:
+            self.out.write(progress_lines(rec, "".join(self.pieces)))
+        else:
+            self.out.write(ev.text)
+        if self.csv is not None:
+            self.csv.write(csv_row(rec, ev.telemetry))
+
+
+def generate_once(values: dict[str, Any], prompt: str, out: Console, *, progress: bool = False,
+                  csv_path: str | None = None) -> int:
+    from .engine.errors import EngineError
     from .engine.turn import TurnRequest, prepare, run_turn
 
     try:
-        session = Session(values["model"], values)
+        session = open_session(values)
     except EngineError as e:
         print("bmoe-cli: " + params.render(e.message, "flag"), file=sys.stderr)
         return 1
+    csv_file = None
     try:
+        if csv_path:
+            csv_file = open(csv_path, "w", encoding="utf-8", newline="")
+            csv_file.write(CSV_HEADER + "\n")
         req = TurnRequest(messages=[{"role": "user", "content": prompt}],
                           max_tokens=int(values.get("n-predict") or 0),
                           think=bool(values.get("think", True)))
-        prepared = prepare(session, req)
-
-        def emit(ev: Any, _rec: dict[str, Any]) -> None:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-
-        result = run_turn(session, prepared, req, threading.Event(), emit)
-        s = result.summary
-        print()
-        print(f"generation: {s['tokens']} tokens, {1 / s['tok_s'] if s['tok_s'] else 0:.4f} "
-              f"s/token ({s['tok_s']:.2f} tok/s)", file=sys.stderr)
+        sink = TurnSink(out, progress, csv_file)
+        result = run_turn(session, prepare(session, req), req, threading.Event(), sink.emit)
+        streamer = session.streamer.summary() if session.streamer is not None else None
+        perf = perf_lines(result.summary, streamer)
+        if progress:
+            out.write(f"=== answer ===\n{result.generation.text}\n=== perf ===\n{perf}")
+        else:
+            out.write("\n")
+            print(perf, end="", file=sys.stderr, flush=True)
+        if csv_file is not None:
+            csv_file.write(csv_summary(result.summary))
     except EngineError as e:
         print("bmoe-cli: " + params.render(e.message, "flag"), file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"bmoe-cli: cannot write {csv_path}: {e}", file=sys.stderr)
+        return 1
     finally:
+        if csv_file is not None:
+            csv_file.close()
         session.close()
     return 0
+
+
+# --- session mode ------------------------------------------------------------------------------
+
+class RequestError(ValueError):
+    """A session request that is refused (BMOE_ERROR fatal:false); carries its id."""
+
+    def __init__(self, message: str, req_id: int = NO_ID) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+
+
+def _opt(obj: dict[str, Any], key: str, kind: type, default: Any, req_id: int) -> Any:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise RequestError(f"`{key}` must be {kind.__name__}", req_id)
+    return value
+
+
+def parse_request(line: bytes, values: dict[str, Any]) -> dict[str, Any]:
+    """One stdin line as a checked request; RequestError for anything else."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RequestError(f"not a JSON line: {e}") from None
+    if not isinstance(obj, dict):
+        raise RequestError("a request must be a JSON object")
+    raw_id = obj.get("id", NO_ID)
+    if not isinstance(raw_id, int) or isinstance(raw_id, bool):
+        raise RequestError("`id` must be an integer")
+    req_id = raw_id
+    cmd = obj.get("cmd")
+    if cmd in ("cancel", "close"):
+        return {"cmd": cmd, "id": req_id}
+    if cmd == "generate":
+        return _generate_request(obj, req_id, values)
+    if cmd == "decide":
+        return _decide_request(obj, req_id)
+    raise RequestError(f"unknown cmd {str(cmd)[:40]!r}: generate, decide, cancel or close",
+                       req_id)
+
+
+def _generate_request(obj: dict[str, Any], req_id: int, values: dict[str, Any]) -> dict[str, Any]:
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise RequestError("`prompt` must be a string", req_id)
+    n_predict = _opt(obj, "n_predict", int, int(values.get("n-predict") or 0), req_id)
+    try:
+        params.parse_value(params.param("n-predict"), n_predict)
+    except ValueError as e:
+        raise RequestError(params.render(str(e), "flag"), req_id) from None
+    return {"cmd": "generate", "id": req_id, "prompt": prompt, "n_predict": n_predict,
+            "think": _opt(obj, "think", bool, bool(values.get("think", True)), req_id),
+            "clear_kv": _opt(obj, "clear_kv", bool, True, req_id)}
+
+
+def _decide_request(obj: dict[str, Any], req_id: int) -> dict[str, Any]:
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise RequestError("`choices` must be an array of strings", req_id)
+    return {"cmd": "decide", "id": req_id, "prefix": _opt(obj, "prefix", str, "", req_id),
+            "suffix": _opt(obj, "suffix", str, "", req_id), "choices": choices,
+            "reuse_prefix": _opt(obj, "reuse_prefix", bool, True, req_id)}
+
+
+class InFlight:
+    """The cancel flag of the request running now, which the stdin thread may set."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancel: threading.Event | None = None
+
+    def begin(self) -> threading.Event:
+        with self._lock:
+            self._cancel = threading.Event()
+            return self._cancel
+
+    def end(self) -> None:
+        with self._lock:
+            self._cancel = None
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._cancel is not None:
+                self._cancel.set()
+
+
+def read_requests(stdin: IO[bytes], requests: "queue.Queue[dict[str, Any] | None]",
+                  inflight: InFlight, out: Console, values: dict[str, Any]) -> None:
+    """The stdin thread: cancels act at once, the rest queue in order; EOF is a close."""
+    while True:
+        line = stdin.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            break
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while (more := stdin.readline(MAX_LINE_BYTES)) and not more.endswith(b"\n"):
+                pass
+            out.tagged("BMOE_ERROR", {"id": NO_ID, "fatal": False,
+                                      "msg": f"a request line over {MAX_LINE_BYTES} bytes"})
+            continue
+        if not line.strip():
+            continue
+        try:
+            req = parse_request(line, values)
+        except RequestError as e:
+            out.tagged("BMOE_ERROR", {"id": e.req_id, "fatal": False, "msg": str(e)})
+            continue
+        if req["cmd"] == "cancel":
+            inflight.cancel()
+            continue
+        requests.put(req)
+        if req["cmd"] == "close":
+            return
+    requests.put(None)
+
+
+class SessionMode:
+    """The main thread of `--session`: one request at a time on the loaded session."""
+
+    def __init__(self, session: Any, values: dict[str, Any], out: Console) -> None:
+        self.session = session
+        self.values = values
+        self.out = out
+        self.inflight = InFlight()
+        self.history: list[dict[str, Any]] = []
+
+    def error(self, req_id: int, message: str, fatal: bool = False) -> None:
+        self.out.tagged("BMOE_ERROR", {"id": req_id, "fatal": fatal,
+                                       "msg": params.render(message, "flag")})
+
+    def serve(self, requests: "queue.Queue[dict[str, Any] | None]") -> int:
+        from .engine.errors import EngineError
+        while (req := requests.get()) is not None and req["cmd"] != "close":
+            run: Callable[[dict[str, Any]], None] = (
+                self.generate if req["cmd"] == "generate" else self.decide)
+            try:
+                run(req)
+            except EngineError as e:
+                self.error(req["id"], e.message)
+            except Exception as e:  # noqa: BLE001 - the engine's own failure ends the session
+                self.error(req["id"], f"the engine failed: {e!r}", fatal=True)
+                return 1
+            finally:
+                self.inflight.end()
+        return 0
+
+    def generate(self, req: dict[str, Any]) -> None:
+        from .engine.errors import EngineError
+        from .engine.turn import TurnRequest, prepare, run_turn
+        s = self.session
+        history = [] if req["clear_kv"] else self.history
+        if req["clear_kv"]:
+            s.clear_kv()
+        messages = [*history, {"role": "user", "content": req["prompt"]}]
+        turn = TurnRequest(messages=messages, max_tokens=req["n_predict"], think=req["think"])
+        prepared = prepare(s, turn)
+        if req["n_predict"] and len(prepared.tokens) + req["n_predict"] > s.n_ctx:
+            raise EngineError("context_full", f"the prompt ({len(prepared.tokens)} tokens) plus "
+                              f"{{n-predict}} ({req['n_predict']}) exceeds {{ctx-size}} "
+                              f"({s.n_ctx})")
+        cancel = self.inflight.begin()
+        self.out.tagged("BMOE_BEGIN", {"id": req["id"]})
+        sink = TurnSink(self.out, progress=True)
+        result = run_turn(s, prepared, turn, cancel, sink.emit)
+        text = result.generation.text
+        self.history = [*messages, {"role": "assistant", "content": text}]
+        done = {"id": req["id"], **result.summary, "spec_recall_pct": -1, "text": text}
+        self.out.tagged("BMOE_DONE", done)
+
+    def decide(self, req: dict[str, Any]) -> None:
+        from .engine.decide import DecideRequest, decide
+        cancel = self.inflight.begin()
+        result = decide(self.session, DecideRequest(req["prefix"], req["suffix"], req["choices"],
+                                                    req["reuse_prefix"]), cancel)
+        self.out.tagged("BMOE_DECIDE", {"id": req["id"], **result.answer()})
+
+
+def run_session(values: dict[str, Any], out: Console, stdin: IO[bytes]) -> int:
+    from .engine.errors import EngineError
+    try:
+        session = open_session(values)
+    except EngineError as e:
+        out.tagged("BMOE_ERROR", {"id": NO_ID, "fatal": True,
+                                  "msg": params.render(e.message, "flag")})
+        return 1
+    try:
+        out.tagged("BMOE_READY", {"load_s": round(session.load_s, 3), "arch": session.arch,
+                                  "n_ctx": session.n_ctx})
+        mode = SessionMode(session, values, out)
+        requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        reader = threading.Thread(target=read_requests, name="bmoe-stdin", daemon=True,
+                                  args=(stdin, requests, mode.inflight, out, values))
+        reader.start()
+        return mode.serve(requests)
+    finally:
+        session.close()
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class ServerProcess:
 def start_server(data_dir: Path, *args: str, env: dict[str, str] | None = None,
                  wait_ready: bool = True) -> ServerProcess:
     cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data_dir),
-           "--threads", "2", *args]
+           "--threads", "1", *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=full_env)
     assert proc.stdout is not None

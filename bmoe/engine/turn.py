@@ -43,6 +43,7 @@ class Prepared:
     framing: str | None
     grammar: str | None
     steps: int                                       # the token budget as a number
+    grammar_triggers: list[int] = field(default_factory=list)  # lazy grammar: its trigger tokens
 
 
 @dataclass
@@ -59,7 +60,7 @@ def ends_inside_think(prompt_text: str) -> bool:
 
 
 def prepare(session: Session, req: TurnRequest,
-            grammar_for: Callable[[Session, TurnRequest, str | None, bool], str | None] | None = None
+            grammar_for: Callable[[Session, TurnRequest, str | None, bool], "str | LazyGrammar | None"] | None = None
             ) -> Prepared:
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     try:
@@ -78,9 +79,25 @@ def prepare(session: Session, req: TurnRequest,
     starts = req.think and ends_inside_think(text)
     framing = getattr(session, "tool_framing", None)
     grammar = grammar_for(session, req, framing, starts) if grammar_for else None
+    triggers: list[int] = []
+    if isinstance(grammar, LazyGrammar):
+        triggers = [t for word in grammar.triggers for t in _single_token(session, word)]
+        grammar = grammar.text if triggers else None
     room = session.n_ctx - len(tokens)
     steps = room if req.max_tokens <= 0 else min(req.max_tokens, room)
-    return Prepared(text, tokens, starts, framing, grammar, steps)
+    return Prepared(text, tokens, starts, framing, grammar, steps, triggers)
+
+
+@dataclass
+class LazyGrammar:
+    """A grammar that holds only from a trigger token on (a tool call the model opens)."""
+    text: str
+    triggers: list[str]
+
+
+def _single_token(session: Session, word: str) -> list[int]:
+    toks = session.tokenize(word)
+    return toks if len(toks) == 1 else []
 
 
 def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: threading.Event,
@@ -102,7 +119,8 @@ def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: thr
         emit(ev, rec)
 
     gen = session.generate(prepared.tokens, max_tokens=req.max_tokens, cancel=cancel,
-                           on_token=on_token, grammar=prepared.grammar)
+                           on_token=on_token, grammar=prepared.grammar,
+                           grammar_triggers=prepared.grammar_triggers)
     summary = summarize(session, gen, sums, last, time.monotonic() - t0)
     return TurnResult(prepared, gen, summary)
 

@@ -18,8 +18,16 @@ The loop, per request (keep-alive repeats it; ``start_next_cycle`` between):
   disconnect"). Bytes of a pipelined next request are kept for later, up to
   ``PIPELINE_BUFFER_BYTES``; past that they are dropped (the reader keeps watching)
   and the connection closes after this answer, as a pipelining client must expect.
+  A client cannot be told apart from one that only half-closed (``shutdown(SHUT_WR)``
+  after sending its request): that one is taken as gone too.
 * Every write has ``WRITE_TIMEOUT_S``; a write that cannot finish marks the connection
   broken, cancels the producer and closes.
+* A handler that returns an ``Upgrade`` (a WebSocket) gets the socket: the connection
+  answers 101 through h11 and awaits ``upgrade.run(stream, leftover_bytes)``, then
+  closes. The access checks and the route's limiter have run (and the limiter is held)
+  as for any request.
+
+The pure parts (request building, response headers, the refusals) are in ``messages``.
 """
 
 from __future__ import annotations
@@ -28,46 +36,36 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
-from urllib.parse import parse_qsl, unquote
 
 import h11
 import trio
 
 from . import limits
 from .errors import HTTPError, internal_error, sole_exception
+from .messages import (
+    CLOSING_STATUSES,
+    Address,
+    build_request,
+    malformed,
+    response_headers,
+    timed_out,
+    too_large,
+    too_long,
+)
 from .routes import Dispatch
 from .sse import SSE_CONTENT_TYPE, sse_error
-from .types import Request, Response, StreamResponse
+from .types import Request, Response, StreamResponse, Upgrade
 
 log = logging.getLogger("bmoe.http")
 
-Address = tuple[str, int]
 T = TypeVar("T")
-
-CONTENT_SECURITY_POLICY = (
-    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "font-src 'self'; connect-src 'self'; media-src 'none'; object-src 'none'; "
-    "frame-src 'self' blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-)
-SECURITY_HEADERS = [
-    ("Content-Security-Policy", CONTENT_SECURITY_POLICY),
-    ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "no-referrer"),
-    ("X-Frame-Options", "DENY"),
-]
-# Framing is the connection's business, never a handler's.
-_FRAMING_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
-                    "upgrade", "content-type"}
-# Refusals after which the connection is closed rather than reused.
-_CLOSING_STATUSES = {400, 408, 413, 431}
-
 
 class App(Protocol):
     """What a connection needs from the application (``server.HttpApp``)."""
 
     def dispatch(self, request: Request) -> Dispatch: ...
 
-    async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse: ...
+    async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse | Upgrade: ...
 
     def error_response(self, path: str, err: HTTPError) -> Response: ...
 
@@ -103,75 +101,6 @@ class QueuePressure:
         self._claimed -= 1
         if renotify:
             self.notify()
-
-
-def bad_request(message: str) -> HTTPError:
-    return HTTPError(400, "bad_request", message)
-
-
-def too_large(limit: int) -> HTTPError:
-    return HTTPError(413, "too_large", f"The request body is over this route's limit of {limit} bytes.")
-
-
-def timed_out() -> HTTPError:
-    return HTTPError(408, "timeout", "The request did not arrive in time.")
-
-
-def malformed(exc: h11.RemoteProtocolError) -> HTTPError:
-    status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
-    code = "headers_too_large" if status == 431 else "bad_request"
-    return HTTPError(status, code, f"The request is not valid HTTP/1.1: {str(exc)[:200]}")
-
-
-def _too_long(content_length: str | None, limit: int) -> bool:
-    """A Content-Length (h11 checked it is digits) over ``limit``."""
-    return content_length is not None and (len(content_length) > 18 or int(content_length) > limit)
-
-
-def head_size(event: h11.Request) -> int:
-    """About the bytes of the head as sent: h11 bounds only a head still incomplete,
-    so a large head that arrives whole is measured here."""
-    return len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers) + 16
-
-
-def build_request(event: h11.Request, peer: Address, local: Address) -> Request:
-    """The Request for an h11 head (body still empty); HTTPError 400 if unusable."""
-    if event.http_version not in (b"1.0", b"1.1"):
-        raise bad_request("Only HTTP/1.0 and HTTP/1.1 are spoken here.")
-    names = {name for name, _ in event.headers}
-    if b"transfer-encoding" in names and b"content-length" in names:
-        raise bad_request("Content-Length and Transfer-Encoding together are refused.")
-    try:
-        target = event.target.decode("ascii")
-        raw_path, _, raw_query = target.partition("?")
-        path = unquote(raw_path, errors="strict")
-        query = dict(parse_qsl(raw_query, keep_blank_values=True, errors="strict",
-                               max_num_fields=limits.MAX_QUERY_FIELDS))
-    except ValueError:
-        raise bad_request("The request target is not valid (percent-encoded UTF-8 expected).") from None
-    if not raw_path.startswith("/"):
-        raise bad_request("The request target must be a path.")
-    headers = [(n.decode("ascii"), v.decode("latin-1")) for n, v in event.headers]
-    if head_size(event) > limits.MAX_HEADER_BYTES:
-        raise HTTPError(431, "headers_too_large", "The request head is too large.")
-    return Request(method=event.method.decode("ascii"), target=target, path=path, query=query,
-                   headers=headers, body=b"", peer=peer, local=local)
-
-
-def response_headers(
-    status: int, content_type: str, extra: list[tuple[str, str]], *, length: int | None, close: bool
-) -> list[tuple[bytes, bytes]]:
-    """Security headers (a handler may replace one by naming it), type, length, extras."""
-    named = {k.lower() for k, _ in extra}
-    headers = [(k, v) for k, v in SECURITY_HEADERS if k.lower() not in named]
-    if content_type and status not in (204, 304):
-        headers.append(("Content-Type", content_type))
-    headers += [(k, v) for k, v in extra if k.lower() not in _FRAMING_HEADERS]
-    if length is not None and status not in (204, 304):
-        headers.append(("Content-Length", str(length)))
-    if close:
-        headers.append(("Connection", "close"))
-    return [(k.encode("ascii"), v.encode("latin-1")) for k, v in headers]
 
 
 class Connection:
@@ -303,7 +232,7 @@ class Connection:
 
     async def _read_body(self, request: Request, limit: int) -> None:
         declared = request.header("content-length")
-        if _too_long(declared, limit):
+        if too_long(declared, limit):
             raise too_large(limit)
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(h11.InformationalResponse(status_code=100, headers=[]))
@@ -322,7 +251,7 @@ class Connection:
             return True
         declared = request.header("content-length") if request else None
         if (request is None or self.h11.they_are_waiting_for_100_continue
-                or _too_long(declared, limits.DISCARD_BODY_BYTES)):
+                or too_long(declared, limits.DISCARD_BODY_BYTES)):
             return False
         dropped = 0
         try:
@@ -366,12 +295,32 @@ class Connection:
         response = await self._watched(self.app.call, dispatch, request)
         if response is None:
             return False
+        if isinstance(response, Upgrade):
+            await self._switch(response, request)
+            return False
         head_only = request.method == "HEAD"
         if isinstance(response, StreamResponse):
-            await self._send_stream(response, request, head_only)
+            try:
+                await self._send_stream(response, request, head_only)
+            finally:
+                if response.on_close is not None:
+                    response.on_close()
         else:
             await self._send_response(response, head_only=head_only, close=False)
         return self._cycle_done()
+
+    async def _switch(self, upgrade: Upgrade, request: Request) -> None:
+        """Answer 101 and hand the socket to the new protocol until it is done."""
+        if self.h11.their_state is not h11.MIGHT_SWITCH_PROTOCOL:
+            err = HTTPError(400, "bad_request",
+                            f"This route needs an Upgrade: {upgrade.protocol} request.")
+            await self._send_response(self.app.error_response(request.path, err),
+                                      head_only=False, close=True)
+            return
+        await self._send(h11.InformationalResponse(status_code=101, headers=[
+            ("Upgrade", upgrade.protocol), ("Connection", "Upgrade"), *upgrade.headers]))
+        leftover, _ = self.h11.trailing_data
+        await upgrade.run(self.stream, bytes(leftover))
 
     # --- writing -------------------------------------------------------------------
 
@@ -414,8 +363,11 @@ class Connection:
         await self._send(h11.EndOfMessage())
 
     async def _send_stream(self, response: StreamResponse, request: Request, head_only: bool) -> None:
-        await self._send(self._head(response.status, response.content_type, response.headers,
-                                    None, False))
+        extra = response.headers
+        if response.content_type.startswith(SSE_CONTENT_TYPE) and not any(
+                k.lower() == "cache-control" for k, _ in extra):
+            extra = [*extra, ("Cache-Control", "no-cache")]
+        await self._send(self._head(response.status, response.content_type, extra, None, False))
         if head_only or await self._watched(self._produce, response, request):
             await self._send(h11.EndOfMessage())
 
@@ -451,7 +403,7 @@ class Connection:
         """Answer a refusal; True when the connection can carry another request."""
         if self.broken or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return False
-        keep = err.status not in _CLOSING_STATUSES and await self._drain(request)
+        keep = err.status not in CLOSING_STATUSES and await self._drain(request)
         self.linger = not keep and self.h11.their_state is not h11.DONE
         path = request.path if request else ""
         head_only = request is not None and request.method == "HEAD"

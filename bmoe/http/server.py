@@ -50,7 +50,7 @@ from .errors import HTTPError, internal_error, sole_exception
 from .parent import watch_parent
 from .routes import Dispatch, RouteTable
 from .static import StaticFiles
-from .types import Request, Response, StreamResponse
+from .types import Request, Response, StreamResponse, Upgrade
 
 log = logging.getLogger("bmoe.http")
 
@@ -81,7 +81,7 @@ class HttpApp:
     def _may_be_static(request: Request) -> bool:
         return request.method in ("GET", "HEAD") and not is_api_path(request.path)
 
-    async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse:
+    async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse | Upgrade:
         try:
             return await dispatch.handler(request)
         except Exception as exc:

@@ -101,4 +101,20 @@ class StreamResponse:
     on_close: Callable[[], None] | None = None
 
 
-Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
+@dataclass
+class Upgrade:
+    """Switch the connection to another protocol (a WebSocket, RFC 6455).
+
+    The connection answers ``101 Switching Protocols`` with ``Upgrade: protocol`` and
+    ``headers``, then awaits ``run(stream, leftover)``: the socket and the bytes the
+    client already sent past the request. ``run`` owns every read, write and timeout
+    from there; the connection closes the socket when it returns. A request that did
+    not ask to switch (no ``Upgrade`` header) is answered 400 instead.
+    """
+
+    protocol: str
+    run: Callable[[Any, bytes], Awaitable[None]]
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+Handler = Callable[[Request], Awaitable["Response | StreamResponse | Upgrade"]]

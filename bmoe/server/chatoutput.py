@@ -16,7 +16,8 @@ from typing import Any
 from ..engine import grammar, params
 from ..engine.chatparse import ChatDeltaStream, OutputParser, ParseView, random_call_ids
 from ..engine.errors import EngineError
-from ..engine.turn import Prepared, TurnRequest, TurnResult
+from ..engine.chatparse import CALL_OPEN
+from ..engine.turn import LazyGrammar, Prepared, TurnRequest, TurnResult
 from ..http.errors import HTTPError
 from .bridge import wait_future
 
@@ -76,7 +77,7 @@ class TurnOutput:
 
 
 def grammar_for(session: Any, req: TurnRequest, framing: str | None,
-                starts_in_reasoning: bool) -> str | None:
+                starts_in_reasoning: bool) -> str | LazyGrammar | None:
     """The grammar a turn needs (runs on the engine thread inside `prepare`)."""
     try:
         if req.tool_choice == "required" and req.tools:
@@ -91,6 +92,12 @@ def grammar_for(session: Any, req: TurnRequest, framing: str | None,
             return _schema_grammar(req.schema, req.think, starts_in_reasoning)
         if req.grammar:
             return req.grammar
+        if req.tools and req.tool_choice == "auto" and framing is not None:
+            # Free text, until the model opens a call: from there the call must name an
+            # offered tool with arguments that match it (as llama.cpp's server does).
+            return LazyGrammar(grammar.tool_call_grammar(framing, req.tools,
+                                                         allow_reasoning=False, parallel=True),
+                               [CALL_OPEN])
     except ValueError as e:
         raise EngineError("invalid_request", str(e)) from None
     return None

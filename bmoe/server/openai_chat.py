@@ -174,7 +174,7 @@ def build_turn(state: ServerState, body: dict[str, Any]) -> tuple[TurnRequest, s
         raise invalid_request("An output schema cannot be combined with a required tool call "
                               "(`tool_choice` \"required\" or a named function).")
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise invalid_request("`n` above 1 is not supported: the server answers one choice.")
     field(body, "stream", bool, False)
     field(body, "stream_options", dict, None)
@@ -305,6 +305,7 @@ class ChatCompletion:
 
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
+    chatreq.refuse_lone_surrogates(body)
     req, _named = build_turn(state, body)
     if state.session is None and state.state != "loading":
         raise HTTPError(503, "no_model", "No model is loaded. Load one with "

@@ -15,7 +15,7 @@ from ..http.routes import RouteTable
 from ..http.sse import sse_comment, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from ..server.config import OutsideModelsDir, confine_model_path
-from . import openai_chat
+from . import decide, openai_chat, ws
 from .state import ServerState
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
@@ -38,8 +38,15 @@ def build_routes(state: ServerState) -> RouteTable:
     add("GET", "/api/config", get_config)
     add("PUT", "/api/config", put_config)
     add("GET", "/api/events", events, limiter=streams, limiter_error=streams_full)
+    add("GET", "/api/ws", ws.handle, limiter=streams, limiter_error=streams_full)
+    add("POST", "/api/decide", decide.handle)
     add("GET", "/v1/models", models)
     add("POST", "/v1/chat/completions", openai_chat.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    from . import anthropic, responses  # the agent protocols' front doors
+    add("POST", "/v1/messages", anthropic.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    add("POST", "/v1/messages/count_tokens", anthropic.count_tokens,
+        body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    add("POST", "/v1/responses", responses.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
     return table
 
 
@@ -65,6 +72,8 @@ async def session_load(state: ServerState, request: Request) -> Response:
                 model = str(confine_model_path(model, model_dirs(state)))
             except OutsideModelsDir as e:
                 raise HTTPError(403, "outside_models_dir", str(e)) from None
+            except ValueError:  # a NUL or a lone surrogate: no file is named so
+                raise invalid_request("`model` is not a usable file path.") from None
         _, rejected = state.config.put({"model": model}, [], peer_is_local=True,
                                        model_dirs=model_dirs(state))
         if rejected:
@@ -81,12 +90,13 @@ async def session_load(state: ServerState, request: Request) -> Response:
 
 
 async def session_unload(state: ServerState, request: Request) -> Response:
-    request.json()
+    request.json_object()
     await state.unload()
     return Response.json({"state": state.state})
 
 
 async def cancel(state: ServerState, request: Request) -> Response:
+    request.json_object()
     was = state.generating
     state.cancel_current()
     return Response.json({"cancelled": was})

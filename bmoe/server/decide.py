@@ -1,0 +1,101 @@
+"""`POST /api/decide`: one prefill, no decode, the choices scored (see bmoe.engine.decide).
+
+The request waits in the same turn line as a chat turn (503 `busy` when 16 already
+wait), runs on the engine thread, and can be stopped by `POST /api/cancel`, which
+sets its cancel flag: llama.cpp's abort callback stops the prefill and the answer
+carries `cancelled: true`. A client that goes away stops it the same way. The answer
+is also published as a `decide` event.
+
+Refusals: a body of the wrong shape, an empty `choices`, two choices sharing a first
+token, a prompt past the context: 400; no model: 503 `no_model`; the `decide`
+parameter off for the loaded session: 409 `decide_off` (the server's mode refuses the
+feature, as `chat_only` does for the agent's workspaces).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import trio
+
+from ..engine.decide import DecideRequest, DecideResult, decide
+from ..engine.errors import EngineError
+from ..http.errors import HTTPError, invalid_request
+from ..http.types import Request, Response
+from .bridge import wait_future
+from .chatoutput import engine_http_error
+from .state import ServerState
+from .validate import field
+
+
+def parse_request(body: dict[str, Any]) -> DecideRequest:
+    prefix = field(body, "prefix", str, "")
+    suffix = field(body, "suffix", str, "")
+    choices = field(body, "choices", list, None)
+    if choices is None:
+        raise invalid_request("`choices` is required: an array of strings.")
+    if not choices:
+        raise invalid_request("`choices` is empty: give at least one choice.")
+    if not all(isinstance(c, str) for c in choices):
+        raise invalid_request("`choices` must be an array of strings.")
+    reuse = field(body, "reuse_prefix", bool, True)
+    return DecideRequest(prefix=prefix, suffix=suffix, choices=list(choices),
+                         reuse_prefix=reuse)
+
+
+def decide_enabled(state: ServerState) -> bool:
+    values = state.loaded_values if state.loaded_values is not None else state.config.values
+    return bool(values.get("decide", True))
+
+
+async def handle(state: ServerState, request: Request) -> Response:
+    req = parse_request(request.json_object())
+    await state.require_session()                     # 503 no_model; waits through a load
+    if not decide_enabled(state):
+        raise HTTPError(409, "decide_off", "Decisions are turned off for this session: turn "
+                        "on Decisions in the settings and load the model again.")
+    place = state.turns.reserve()                     # 503 busy when the line is full
+    try:
+        await place.wait()
+        session = await state.require_session()
+        try:
+            result = await _run(state, session, req)
+        except EngineError as e:
+            raise engine_http_error(e) from None
+    finally:
+        place.release()
+    answer = result.answer()
+    state.bus.publish("decide", answer)
+    log_decision(state, req, result)
+    return Response.json(answer)
+
+
+async def _run(state: ServerState, session: Any, req: DecideRequest) -> DecideResult:
+    cancel = threading.Event()
+    state.current_cancel = cancel
+    state.generating = True
+    state.publish_state()
+    fut = state.engine.submit(decide, session, req, cancel)
+    try:
+        return await wait_future(fut)  # type: ignore[no-any-return]
+    except trio.Cancelled:
+        cancel.set()                   # our client left: stop the prefill, then let go
+        with trio.CancelScope(shield=True):
+            try:
+                await wait_future(fut)
+            except Exception:  # noqa: BLE001 - the caller's own exception wins
+                pass
+        raise
+    finally:
+        state.generating = False
+        if state.current_cancel is cancel:
+            state.current_cancel = None
+        state.publish_state()
+
+
+def log_decision(state: ServerState, req: DecideRequest, r: DecideResult) -> None:
+    what = "cancelled" if r.cancelled else f"best {r.best} of {len(req.choices)}"
+    state.bus.log("info", f"decide: {what}; prompt {r.n_tokens} tokens ({r.n_reused} reused, "
+                  f"{r.n_prefilled} prefilled in {r.prefill_s:.3f} s, restore "
+                  f"{r.restore_s:.3f} s, store {r.store_s:.3f} s)")
