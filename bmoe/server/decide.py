@@ -25,6 +25,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.types import Request, Response
 from .bridge import wait_future
 from .chatoutput import engine_http_error
+from . import chatreq
 from .state import ServerState
 from .validate import field
 
@@ -50,7 +51,9 @@ def decide_enabled(state: ServerState) -> bool:
 
 
 async def handle(state: ServerState, request: Request) -> Response:
-    req = parse_request(request.json_object())
+    body = request.json_object()
+    chatreq.refuse_lone_surrogates(body)
+    req = parse_request(body)
     await state.require_session()                     # 503 no_model; waits through a load
     if not decide_enabled(state):
         raise HTTPError(409, "decide_off", "Decisions are turned off for this session: turn "
