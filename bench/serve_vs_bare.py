@@ -12,7 +12,6 @@ telemetry), and a streamed `/v1/chat/completions` through a real bmoe-server
 from __future__ import annotations
 
 import argparse
-import ctypes
 import http.client
 import json
 import statistics

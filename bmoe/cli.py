@@ -165,9 +165,9 @@ def perf_lines(s: dict[str, Any], streamer: dict[str, Any] | None) -> str:
 # --- running one turn ----------------------------------------------------------------------
 
 def open_session(values: dict[str, Any]) -> Any:
+    from .engine.experts import streamer_factory
     from .engine.session import Session
-    # The expert streamer plugs in here once bmoe.engine.experts offers a factory.
-    return Session(values["model"], values, None)
+    return Session(values["model"], values, streamer_factory)
 
 
 @dataclass

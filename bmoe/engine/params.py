@@ -229,7 +229,8 @@ def _rows() -> tuple[Param, ...]:
              False, server_default=True),
         _row("io-threads", "Read lanes", "int", "streaming", "advanced",
              "Parallel reads from storage.",
-             "Four lanes gave about 3x one reader's bandwidth; more only help a device "
+             "On a phone's flash four lanes gave about 3x one reader's bandwidth; a disk "
+             "that one reader already keeps busy gains little. More only help a device "
              "with deep queues, and each lane is a thread.",
              4, min=1, max=8),
         _row("o-direct", "Direct I/O", "bool", "streaming", "advanced",
@@ -242,8 +243,10 @@ def _rows() -> tuple[Param, ...]:
              "The memory that keeps experts once read.",
              "More cache reads less from storage, but below one token cycle (the bytes "
              "one token's experts span over all layers) a cache hits 0 % and is slower "
-             "than none. auto sizes it once at load to the free memory minus the RAM to "
-             "leave, between 1500 MiB and all the experts; 0 turns it off.",
+             "than none, so the engine refuses one. auto sizes it once at load to the "
+             "memory the process may still take (the machine's, or its memory cgroup's "
+             "if tighter) minus the RAM to leave, between one token cycle and all the "
+             "experts; 0 turns it off.",
              0, server_default=AUTO, accepts_auto=True, min=0, unit="MiB",
              typical=(1500, 8192), special=(Named(0, "off"),)),
         _row("cache-floor-mb", "Cache: RAM to leave", "int", "cache", "advanced",

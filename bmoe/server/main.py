@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from ..engine import params
+from ..engine.experts import streamer_factory
 from ..http import access
 from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore
@@ -136,7 +137,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
                 args: argparse.Namespace) -> None:
     config = ConfigStore(options.data_dir, launch)
     bus = EventBus()
-    state = ServerState(options, config, bus, streamer_factory=None)
+    state = ServerState(options, config, bus, streamer_factory=streamer_factory)
     app = HttpApp(build_routes(state), policy, assets_dir(), error_shaper=error_shaper)
     try:
         async with trio.open_nursery() as nursery:

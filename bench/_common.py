@@ -1,0 +1,166 @@
+"""Helpers of the benchmarks: memory cgroups, the disk's read rate, offline cache bounds."""
+
+from __future__ import annotations
+
+import bisect
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+MIB = 1 << 20
+
+
+# -- memory cgroup (v1) --------------------------------------------------------------------
+
+def own_memory_cgroup() -> Path:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return CGROUP_V1 / path.lstrip("/")
+    raise RuntimeError("no cgroup-v1 memory controller for this process")
+
+
+class MemoryCap:
+    """A child of this process's memory cgroup with a hard limit; removed on exit."""
+
+    def __init__(self, name: str, limit_bytes: int) -> None:
+        self.path = own_memory_cgroup() / name
+        self.path.mkdir(exist_ok=True)
+        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        self.limit = limit_bytes
+
+    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        procs = str(self.path / "cgroup.procs")
+
+        def enter() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        (self.path / "memory.max_usage_in_bytes").write_text("0")
+        return subprocess.run(cmd, preexec_fn=enter, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def peak(self) -> int:
+        return int((self.path / "memory.max_usage_in_bytes").read_text())
+
+    def oom_kills(self) -> int:
+        for line in (self.path / "memory.oom_control").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def remove(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+# -- the disk ------------------------------------------------------------------------------
+
+def direct_read_rate(path: Path, chunk: int, count: int, lanes: int, seed: int = 0) -> float:
+    """Bytes/s of `count` random O_DIRECT reads of `chunk` bytes over `lanes` threads."""
+    size = path.stat().st_size
+    rng = random.Random(seed)
+    offsets = [rng.randrange(0, (size - chunk) // 4096) * 4096 for _ in range(count)]
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    import mmap
+    bufs = [mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for _ in range(lanes)]
+
+    def work(i: int) -> int:
+        return sum(os.preadv(fd, [bufs[i]], off) for off in offsets[i::lanes])
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(lanes) as pool:
+            total = sum(pool.map(work, range(lanes)))
+        return total / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+
+
+# -- routing statistics and offline cache simulations ---------------------------------------
+
+def top_quarter_share(routing: np.ndarray, n_expert: int) -> float:
+    """routing [tokens, layers, k]: mean over layers of the top quarter's share of routings."""
+    shares = []
+    for layer in range(routing.shape[1]):
+        counts = np.bincount(routing[:, layer].ravel(), minlength=n_expert)
+        top = np.sort(counts)[::-1][: max(1, n_expert // 4)]
+        shares.append(top.sum() / counts.sum())
+    return float(np.mean(shares))
+
+
+def consecutive_overlap(routing: np.ndarray) -> float:
+    """Mean share of a layer's experts that the previous token used too."""
+    k = routing.shape[2]
+    same = [len(set(a) & set(b)) / k
+            for t in range(1, routing.shape[0])
+            for a, b in zip(routing[t], routing[t - 1], strict=True)]
+    return float(np.mean(same))
+
+
+def _requests(routing: np.ndarray) -> list[tuple[int, list[tuple[int, int]]]]:
+    out = []
+    for t in range(routing.shape[0]):
+        for layer in range(routing.shape[1]):
+            ids = sorted(set(routing[t, layer].tolist()))
+            out.append((t, [(layer, int(e)) for e in ids]))
+    return out
+
+
+Unit = tuple[int, int]
+
+
+def simulate(routing: np.ndarray, capacity: int, policy: str, count_from: int) -> int:
+    """Units read from token `count_from` on, for a cache of `capacity` units.
+
+    `policy` "lru" is the engine's; "belady" evicts the unit used again furthest in the
+    future (offline optimal). As in the engine, a layer's routed set is never split.
+    """
+    reqs = _requests(routing)
+    uses: dict[Unit, list[int]] = {}
+    for p, (_, units) in enumerate(reqs):
+        for u in units:
+            uses.setdefault(u, []).append(p)
+    resident: dict[Unit, int] = {}      # unit -> last use
+    reads = 0
+    for p, (t, units) in enumerate(reqs):
+        if t >= count_from:
+            reads += sum(1 for u in units if u not in resident)
+        for u in units:
+            resident[u] = p
+        over = len(resident) - capacity
+        if over > 0:
+            cands = [u for u in resident if u not in units]
+            key = resident.__getitem__ if policy == "lru" else _next_use(uses, p)
+            cands.sort(key=key, reverse=policy != "lru")
+            for u in cands[:over]:
+                del resident[u]
+    return reads
+
+
+def _next_use(uses: dict[Unit, list[int]], p: int) -> Callable[[Unit], int]:
+    def next_use(u: Unit) -> int:
+        lst = uses[u]
+        i = bisect.bisect_right(lst, p)
+        return lst[i] if i < len(lst) else sys.maxsize
+    return next_use

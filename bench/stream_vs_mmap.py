@@ -1,0 +1,323 @@
+"""Expert streaming against llama.cpp on mmap, under a memory cap smaller than the model.
+
+    sudo /work/venv/bin/python bench/stream_vs_mmap.py      # 3 minutes here, 5 when busy
+
+Writes a benchmark MoE with the model maker (default: qwen3moe 24 layers x 64 experts,
+top-4, F16, 4.6 GiB, router skew and local context so routing looks like real text),
+measures the disk's O_DIRECT read rate, then teacher-forces the same text, token by
+token, through:
+
+  compute   llama.cpp on mmap with the file in the page cache, no cap (the compute floor)
+  mmap      llama.cpp on mmap (bmoe with moe-stream off) under the cap
+  auto      bmoe streaming, cache-mb auto, under the cap
+  nocache   bmoe streaming, cache-mb 0, under the cap
+
+each in its own process inside a cgroup-v1 memory cap (a child of this process's
+memory cgroup, `--cap-frac` of the file size), with the page cache dropped before each
+run. The first `--warmup` tokens are not timed. From the auto run's routing (captured by
+the streamer) it prints the router skew (top-quarter share, consecutive-token overlap),
+and simulates an offline optimal cache (Belady) of the same size: the I/O floor is its
+bytes per token at the measured read rate, plus the compute floor.
+
+Needs root (cgroups, drop_caches). Deletes the model file at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    MIB,
+    MemoryCap,
+    consecutive_overlap,
+    direct_read_rate,
+    drop_caches,
+    simulate,
+    top_quarter_share,
+)
+
+TEXT = (
+    "The history of the city begins with a small village on the river, where fishermen "
+    "and farmers traded grain, salt and wool. Over the centuries the village grew into a "
+    "market town, then into a port, and at last into the capital of a large province. "
+    "Its old streets still follow the paths of the first traders, and the names of many "
+    "squares recall the goods that were once sold there. In the museum near the bridge you "
+    "can see maps, coins and tools from every period, and a model of the harbour as it was "
+    "two hundred years ago, when ships from distant countries brought tea, silk and spices. "
+    "def load(path):\n    with open(path) as f:\n        return [line.strip() for line in f]\n"
+    "The weather in spring is mild, with short showers in the afternoon; in summer the days "
+    "are long and warm, and people sit outside until late in the evening to talk and eat."
+)
+
+STAT_KEYS = ("read_bytes", "hits", "misses", "io_s", "mgmt_s")
+RUNS: dict[str, dict[str, Any]] = {
+    "mmap": {"moe-stream": False},
+    "auto": {"moe-stream": True, "cache-mb": "auto"},
+    "nocache": {"moe-stream": True, "cache-mb": 0},
+}
+
+
+# -- the worker: one configuration in one process ------------------------------------------
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from bmoe.engine.experts import streamer_factory
+    from bmoe.engine.session import Session
+
+    values = {"temp": 0, "ctx-size": 1024, "threads": spec["threads"], **spec["values"]}
+    t0 = time.monotonic()
+    s = Session(spec["model"], values, streamer_factory)
+    load_s = time.monotonic() - t0
+    st: Any = s.streamer
+    if st is not None:
+        st.record_routing = True
+    tokens = s.tokenize(TEXT)[: spec["tokens"]]
+    cancel = threading.Event()
+    walls: list[float] = []
+    deltas: dict[str, list[float]] = {k: [] for k in STAT_KEYS}
+    for i in range(1, len(tokens) + 1):
+        before = st.stats() if st is not None else {}
+        if st is not None:
+            st.token_begin()
+        t = time.perf_counter()
+        s.prefill(tokens[:i], cancel)      # the KV holds tokens[:i-1]: this decodes one token
+        walls.append(time.perf_counter() - t)
+        if st is not None:
+            st.token_end()
+            after = st.stats()
+            for k in STAT_KEYS:
+                deltas[k].append(after[k] - before[k])
+    out: dict[str, Any] = {"load_s": load_s, "walls": walls, "reads": deltas["read_bytes"],
+                           "hits": deltas["hits"], "misses": deltas["misses"],
+                           "io": deltas["io_s"], "mgmt": deltas["mgmt_s"],
+                           "n_tokens": len(tokens)}
+    if st is not None:
+        out["summary"] = st.summary()
+        out["load_info"] = st.load_info
+        out["budget_bytes"] = st.budget.bytes
+        out["unit_bytes"] = st.layout.unit_bytes(0)
+        out["routing"] = [r.tolist() for r in st.routing]
+    s.close()
+    return out
+
+
+# -- the parent ----------------------------------------------------------------------------
+
+def make_bench_model(args: argparse.Namespace) -> Path:
+    from bmoe.engine.modelmaker import make_model
+
+    path = Path(args.dir) / (f"bench-{args.layers}x{args.experts}-top{args.top_k}-"
+                             f"{args.dtype}-e{args.embd}-f{args.ff_exp}.gguf")
+    if path.exists() and args.keep:
+        print(f"model: reusing {path}", flush=True)
+        return path
+    t0 = time.monotonic()
+    make_model(path, n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
+               n_embd=args.embd, n_ff_exp=args.ff_exp, n_head=8, n_head_kv=4, head_dim=128,
+               dtype=args.dtype, router_skew=args.router_skew, context_mix=args.context_mix,
+               seed=7)
+    print(f"model: wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
+          f"{time.monotonic() - t0:.0f} s", flush=True)
+    return path
+
+
+def run_one(name: str, values: dict[str, Any], model: Path, args: argparse.Namespace,
+            cap: MemoryCap | None) -> dict[str, Any]:
+    spec = {"model": str(model), "values": values, "tokens": args.tokens,
+            "threads": args.threads}
+    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+    drop_caches()
+    t0 = time.monotonic()
+    if cap is None:
+        import subprocess
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+    else:
+        proc = cap.run(cmd, timeout=args.run_timeout)
+    if proc.returncode != 0:
+        oom = cap.oom_kills() if cap else 0
+        raise SystemExit(f"{name}: worker failed (rc {proc.returncode}, oom kills {oom}):\n"
+                         f"{proc.stderr[-3000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["elapsed_s"] = time.monotonic() - t0
+    res["peak_mib"] = cap.peak() / MIB if cap else 0.0
+    w = res["walls"][args.warmup:]
+    res["median"] = statistics.median(w)
+    res["p90"] = float(np.percentile(w, 90))
+    rd = res["reads"][args.warmup:]
+    res["mib_tok"] = sum(rd) / len(rd) / MIB if rd else 0.0
+    if res["io"]:
+        res["io_tok"] = statistics.mean(res["io"][args.warmup:])
+        res["mgmt_tok"] = statistics.mean(res["mgmt"][args.warmup:])
+        res["read_rate"] = sum(rd) / sum(res["io"][args.warmup:]) if sum(rd) else 0.0
+    h, m = sum(res["hits"][args.warmup:]), sum(res["misses"][args.warmup:])
+    res["hit_pct"] = 100.0 * h / (h + m) if (h + m) and values.get("cache-mb") != 0 else -1.0
+    print(f"{name:8s} load {res['load_s']:6.1f} s  median {res['median']:.4f} s/tok  "
+          f"p90 {res['p90']:.4f}  read {res['mib_tok']:6.1f} MiB/tok  hits "
+          f"{res['hit_pct']:5.1f} %  ({res['elapsed_s']:.0f} s)", flush=True)
+    if res["io"]:
+        rest = statistics.mean(res["walls"][args.warmup:]) - res["io_tok"] - res["mgmt_tok"]
+        print(f"{'':8s} per token: read wait {res['io_tok']:.4f} s "
+              f"({res['read_rate'] / MIB:.0f} MiB/s), cache management {res['mgmt_tok']:.4f} s, "
+              f"the rest (compute and callbacks) {rest:.4f} s", flush=True)
+    return res
+
+
+def warm_page_cache(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--dir", default="/work/benchmodels")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--embd", type=int, default=1024)
+    p.add_argument("--ff-exp", type=int, default=512)
+    p.add_argument("--dtype", default="f16")
+    p.add_argument("--router-skew", type=float, default=1.5)
+    p.add_argument("--context-mix", type=float, default=1.5)
+    p.add_argument("--tokens", type=int, default=24, help="tokens teacher-forced per run")
+    p.add_argument("--warmup", type=int, default=6, help="first tokens not timed")
+    p.add_argument("--route-tokens", type=int, default=128,
+                   help="tokens of the uncapped run that measures the router's skew")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--cap-frac", type=float, default=0.40, help="memory cap / file size")
+    p.add_argument("--cache-floor-mb", type=int, default=128,
+                   help="auto cache: memory left under the cap (the engine's default is 1536)")
+    p.add_argument("--runs", default="mmap,auto,nocache")
+    p.add_argument("--run-timeout", type=float, default=400.0)
+    p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    return bench(args)
+
+
+def bench(args: argparse.Namespace) -> int:
+    t_start = time.monotonic()
+    print("load average at start: {:.2f} {:.2f} {:.2f} (other work on the machine skews "
+          "every figure)".format(*os.getloadavg()), flush=True)
+    model = make_bench_model(args)
+    cap = None
+    try:
+        size = model.stat().st_size
+        rates = [disk_rate(model, args, "before")]
+        results: dict[str, Any] = {}
+        results["routing"] = run_uncapped("routing", {"moe-stream": True, "load-all": True},
+                                          model, args, args.route_tokens)
+        warm_page_cache(model)
+        results["compute"] = run_uncapped("compute", {"moe-stream": False}, model, args,
+                                          args.tokens)
+        limit = int(size * args.cap_frac)
+        cap = MemoryCap(f"bmoe-bench-{os.getpid()}", limit)
+        print(f"cap: {limit / 2**30:.2f} GiB ({args.cap_frac:.0%} of {size / 2**30:.2f} GiB)",
+              flush=True)
+        extra = {"io-threads": args.io_threads, "cache-floor-mb": args.cache_floor_mb}
+        for name in args.runs.split(","):
+            values = dict(RUNS[name], **(extra if name != "mmap" else {}))
+            results[name] = run_one(name, values, model, args, cap)
+        rates.append(disk_rate(model, args, "after"))
+        report(results, max(rates), args, size, limit)
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {k: {kk: vv for kk, vv in v.items() if kk != "routing"}
+                 for k, v in results.items()} | {"disk_rates": rates}, indent=1))
+    finally:
+        if cap is not None:
+            cap.remove()
+        if not args.keep:
+            model.unlink(missing_ok=True)
+    print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    print(f"total {time.monotonic() - t_start:.0f} s")
+    return 0
+
+
+def disk_rate(model: Path, args: argparse.Namespace, when: str) -> float:
+    rate = direct_read_rate(model, 1 << 20, 512, args.io_threads)
+    print(f"disk ({when}): {rate / MIB:.0f} MiB/s (512 random 1 MiB O_DIRECT reads over "
+          f"{args.io_threads} lanes)", flush=True)
+    return rate
+
+
+def run_uncapped(name: str, values: dict[str, Any], model: Path, args: argparse.Namespace,
+                 tokens: int) -> dict[str, Any]:
+    import subprocess
+    spec = {"model": str(model), "values": values, "tokens": tokens, "threads": args.threads}
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=args.run_timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} run failed:\n{proc.stderr[-3000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    w = res["walls"][args.warmup:]
+    res["median"] = statistics.median(w)
+    res["p90"] = float(np.percentile(w, 90))
+    what = ("bmoe, every expert resident" if name == "routing"
+            else "llama.cpp, file in the page cache")
+    print(f"{name:8s} (no cap, {what}) median {res['median']:.4f} s/tok  p90 {res['p90']:.4f}",
+          flush=True)
+    return res
+
+
+def report(results: dict[str, Any], rate: float, args: argparse.Namespace, size: int,
+           limit: int) -> None:
+    auto = results.get("auto")
+    compute = results["compute"]["median"]
+    print()
+    routing = np.array(results["routing"]["routing"])
+    print(f"routing: top-quarter share {top_quarter_share(routing, args.experts):.1%}, "
+          f"consecutive-token overlap {consecutive_overlap(routing):.1%} "
+          f"({routing.shape[0]} tokens x {routing.shape[1]} layers, captured by the streamer)")
+    if auto is not None:
+        trace = np.array(auto["routing"])
+        unit = auto["unit_bytes"]
+        units = auto["budget_bytes"] // unit
+        n = trace.shape[0] - args.warmup
+        belady = simulate(trace, units, "belady", args.warmup) * unit / n
+        lru = simulate(trace, units, "lru", args.warmup) * unit / n
+        auto["floor"] = belady / rate + compute
+        auto.update(belady_mib=belady / MIB, lru_sim_mib=lru / MIB)
+        print(f"cache: auto {auto['budget_bytes'] / MIB:.0f} MiB = {units} experts of "
+              f"{unit / MIB:.1f} MiB; per token an offline optimal cache (Belady) reads "
+              f"{belady / MIB:.1f} MiB, LRU (simulated) {lru / MIB:.1f} MiB, the engine "
+              f"{auto['mib_tok']:.1f} MiB")
+        print(f"I/O floor: {belady / MIB:.1f} MiB at {rate / MIB:.0f} MiB/s + compute "
+              f"{compute:.4f} s = {auto['floor']:.4f} s/tok")
+    print()
+    print(f"{'run':10s} {'s/tok med':>10s} {'p90':>8s} {'tok/s':>7s} {'MiB/tok':>8s} "
+          f"{'hit %':>6s} {'x mmap':>7s} {'/ floor':>8s} {'load s':>7s}")
+    base = results.get("mmap", {}).get("median")
+    for name in ("mmap", "auto", "nocache"):
+        r = results.get(name)
+        if r is None:
+            continue
+        ratio = f"{base / r['median']:.1f}" if base else "-"
+        xf = f"{r['median'] / auto['floor']:.2f}" if auto and auto.get("floor") else "-"
+        hit = f"{r['hit_pct']:.1f}" if r["hit_pct"] >= 0 else "-"
+        print(f"{name:10s} {r['median']:10.4f} {r['p90']:8.4f} {1 / r['median']:7.2f} "
+              f"{r['mib_tok']:8.1f} {hit:>6s} {ratio:>7s} {xf:>8s} {r['load_s']:7.1f}")
+    print(f"(cap {limit / 2**30:.2f} GiB on a {size / 2**30:.2f} GiB file; {args.tokens} "
+          f"tokens per run, the first {args.warmup} not timed; {args.threads} compute threads, "
+          f"{args.io_threads} read lanes; compute floor {compute:.4f} s/tok)")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

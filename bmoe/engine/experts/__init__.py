@@ -1,0 +1,39 @@
+"""Expert streaming: run an MoE whose file is larger than memory, reading routed experts.
+
+llama.cpp computes; this package owns residency. It captures the expert tensors at
+load, reads the experts each layer's router picks (in llama.cpp's graph-eval callback,
+before the layer's expert matmuls) and keeps the hot ones in one LRU cache of a known
+byte budget. See docs/expert-cache.md for the design as built, and `streamer` for its
+theory of operation.
+
+Modules: `layout` (the GGUF header: where the experts are), `ggml` (the ctypes mirror of
+`struct ggml_tensor`), `memory` (anonymous buffers, llama.cpp's file mapping), `reader`
+(O_DIRECT reads over parallel lanes), `cache` (the numpy LRU), `budget` (cache-mb and
+auto), `streamer` (the session's Streamer).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .layout import LayoutError, read_layout
+from .streamer import ExpertStreamer
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+__all__ = ["ExpertStreamer", "streamer_factory"]
+
+
+def streamer_factory(session: Session) -> ExpertStreamer | None:
+    """The streamer for `session`'s model, or None (streaming off, or no routed experts)."""
+    values: dict[str, Any] = session.values
+    if not values.get("moe-stream", False):
+        return None
+    try:
+        layout = read_layout(session.path)
+    except LayoutError:
+        return None    # not a GGUF we read: llama.cpp's load will say what is wrong
+    if not layout.experts:
+        return None
+    return ExpertStreamer(session.path, layout, values)

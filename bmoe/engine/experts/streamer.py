@@ -1,0 +1,417 @@
+"""The expert streamer: llama.cpp computes, the streamer decides what is in memory.
+
+Theory of operation
+-------------------
+At load (`configure_model_params`, `attach`), with the model mapped by llama.cpp with its
+extra (repacking) buffer types off, so that weights keep the file's layout:
+
+1. every expert tensor gets an anonymous, lazily committed buffer of its full size
+   (`memory.AnonBuffer`); nothing is read into it yet;
+2. the expert pages of llama.cpp's file mapping are dropped (they were populated by the
+   load and are never read again); with `dense-weights anon` the dense pages are
+   replaced in place by anonymous copies, so page-cache pressure cannot evict them;
+3. the cache budget is resolved (`budget.resolve`), and with `load-all` every expert is
+   read now.
+
+During every graph evaluation llama.cpp calls `_eval` for each node, first to ask whether
+we want its data, then (for the nodes we said yes to) with the data computed:
+
+* `ffn_moe_topk-<l>` (a VIEW of the router's argsort, I32 [n_expert_used, n_tokens], rows
+  nb[1] apart): we say yes; with the data we take the union of the routed ids, let the
+  cache decide hits, misses and victims, and read the misses over the reader's lanes,
+  all before llama.cpp goes on to the layer's expert matmuls. A missed slice takes over
+  a victim's committed pages (moved in the lane just before its read, see
+  `memory.move_pages`); victims nobody took are freed.
+* a `MUL_MAT_ID` node whose weight (`src[0]`) is an expert tensor not yet rebound: in the
+  ask phase, before the node runs, its `->data` is pointed at our buffer. This happens
+  during the first evaluation, after that layer's routing was already read into the
+  buffer. Once all are rebound the streamer stops looking at MUL_MAT_ID nodes.
+
+A failure inside the callback (an I/O error) cannot raise through llama.cpp: the
+callback stops the graph (returns false), records the message, and the session turns it
+into an EngineError after llama_decode returns (`failure()`).
+
+Telemetry is accumulated per token (`token_begin`/`token_end`) and per prefill
+(`prefill_begin`/`prefill_end`): read time, bytes, bookkeeping time, hits, evictions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+
+from . import ggml
+from .budget import MIB, Budget, resolve
+from .cache import Admission, ExpertCache, NoCache
+from .layout import ExpertTensor, Layout
+from .memory import (
+    AnonBuffer,
+    FileMapping,
+    MappingProbe,
+    drop_mapped,
+    map_count,
+    max_map_count,
+    page_ceil,
+    page_floor,
+    page_runs,
+    pin_anonymous,
+    resident_fraction,
+)
+from .reader import ExpertReader, Read
+
+_TOPK = b"ffn_moe_topk-"
+_LOAD_ALL_CHUNK = 16 << 20
+_DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
+
+
+class _Counters:
+    __slots__ = ("io_s", "mgmt_s", "read_bytes", "hits", "misses", "evictions", "rereads",
+                 "experts_read")
+
+    def __init__(self) -> None:
+        self.io_s = self.mgmt_s = 0.0
+        self.read_bytes = self.hits = self.misses = self.evictions = self.rereads = 0
+        self.experts_read = 0
+
+
+class ExpertStreamer:
+    """The session's `Streamer` for a GGUF file with routed experts."""
+
+    def __init__(self, path: Path, layout: Layout, values: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.layout = layout
+        self.values = dict(values)
+        self.dense_mode = str(values.get("dense-weights", "anon"))
+        self.record_routing = False           # keep every decode token's routing
+        self.routing: list[np.ndarray] = []   # [n_layer_with_experts, n_expert_used] per token
+        self.cache: ExpertCache | NoCache | None = None
+        self.budget = Budget(0, "off", 0)
+        self.reader: ExpertReader | None = None
+        self.mapping: FileMapping | None = None
+        self._probe: MappingProbe | None = None
+        self._buffers: dict[str, AnonBuffer] = {}
+        self._by_layer: dict[int, tuple[tuple[ExpertTensor, AnonBuffer], ...]] = {}
+        self._tensor_of: dict[bytes, ExpertTensor] = {}
+        self._unbound: set[bytes] = set()
+        self._dense_runs: list[tuple[int, int]] = []
+        self._dense_frac = -1.0
+        self._dense_at = 0.0
+        self._failure: str | None = None
+        self._token = _Counters()
+        self._turn = _Counters()      # prefill of the current turn
+        self._total = _Counters()
+        self._in_prefill = False
+        self._route_row: dict[int, np.ndarray] = {}
+        self._cb = lc.ggml_backend_sched_eval_callback(self._eval)
+        self.load_info: dict[str, Any] = {}
+
+    # -- Streamer protocol: loading ---------------------------------------------------
+
+    def configure_model_params(self, params: Any) -> None:
+        ggml.check_layout()
+        params.load_mode = lc.LLAMA_LOAD_MODE_MMAP
+        params.use_extra_bufts = False
+        self._probe = MappingProbe(self.path)
+
+    def configure_context_params(self, params: Any) -> None:
+        params.cb_eval = self._cb
+        params.cb_eval_user_data = None
+
+    def attach(self, model: Any, ctx: Any) -> None:
+        t0 = time.monotonic()
+        assert self._probe is not None, "configure_model_params was not called"
+        self.mapping = self._probe.find()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._settle_file_pages(fd)
+        finally:
+            os.close(fd)
+        held = self.layout.dense_bytes if self.dense_mode == "mmap" else 0
+        cycle, total = self.layout.token_cycle_bytes, self.layout.expert_bytes
+        self.budget = resolve(self.values, token_cycle=cycle, all_bytes=total, extra_held=held)
+        self._make_buffers()
+        unit = np.array([self.layout.unit_bytes(i) for i in range(self.layout.n_layer)])
+        self.cache = (NoCache(self.layout.n_layer, unit) if self.budget.bytes == 0
+                      else ExpertCache(unit, self.layout.n_expert, self.budget.bytes))
+        self.reader = ExpertReader(str(self.path), int(self.values.get("io-threads", 4) or 1),
+                                   bool(self.values.get("o-direct", True)))
+        # Each slice that ever received moved pages becomes its own mapping (and so does
+        # the edge page between two slices): stay well inside the kernel's map limit.
+        slices = sum(t.n_expert for t in self.layout.experts)
+        self.reader.recycle = 2 * slices + map_count() < 0.8 * max_map_count()
+        if self.budget.mode == "all":
+            self._load_all()
+        self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
+
+    def _settle_file_pages(self, fd: int) -> None:
+        """Drop the expert pages llama.cpp's load brought in; pin the dense ones if asked."""
+        assert self.mapping is not None
+        size = self.layout.file_size
+        self._dense_runs = page_runs(list(self.layout.dense), size)
+        if self.dense_mode == "anon":
+            self.load_info["dense_copied_mib"] = round(
+                pin_anonymous(self.mapping, self._dense_runs, fd) / MIB, 1)
+        interior = [(page_ceil(t.offset), page_floor(t.offset + t.nbytes))
+                    for t in self.layout.experts]
+        interior = [(a, b) for a, b in interior if b > a]
+        drop_mapped(self.mapping, interior)
+        for a, b in interior:
+            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+        if self.dense_mode == "anon":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def _make_buffers(self) -> None:
+        by_layer: dict[int, list[tuple[ExpertTensor, AnonBuffer]]] = {}
+        for t in self.layout.experts:
+            buf = AnonBuffer(t.offset, t.nbytes)
+            self._buffers[t.name] = buf
+            by_layer.setdefault(t.layer, []).append((t, buf))
+            self._tensor_of[t.name.encode()] = t
+        self._by_layer = {layer: tuple(v) for layer, v in by_layer.items()}
+        self._unbound = set(self._tensor_of)
+
+    def _load_all(self) -> None:
+        assert self.reader is not None and isinstance(self.cache, ExpertCache)
+        reads = []
+        for t in self.layout.experts:
+            buf = self._buffers[t.name]
+            start = t.offset
+            while start < t.offset + t.nbytes:
+                end = min(t.offset + t.nbytes, page_floor(start + _LOAD_ALL_CHUNK))
+                if end <= start:
+                    end = t.offset + t.nbytes
+                reads.append(Read(start, end - start, buf, start - t.offset))
+                start = end
+        n, secs = self.reader.read_all(reads)
+        self.cache.fill()
+        self.load_info.update(load_all_mib=round(n / MIB, 1), load_all_s=round(secs, 3))
+
+    # -- the graph callback -----------------------------------------------------------
+
+    def _eval(self, t: int, ask: bool, _user: Any) -> bool:
+        try:
+            if ask:
+                op = ggml.op_of(t)
+                if op == ggml.GGML_OP_VIEW:
+                    return ggml.name_of(t).startswith(_TOPK)
+                if op == ggml.GGML_OP_MUL_MAT_ID and self._unbound:
+                    self._bind(t)
+                return False
+            self._route(t)
+            return True
+        except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
+            if self._failure is None:
+                self._failure = f"Expert streaming failed: {e}"
+            return False
+
+    def _bind(self, node: int) -> None:
+        weight = ggml.tensor_at(node).src[0]
+        name = ggml.name_of(weight)
+        if name not in self._unbound:
+            return
+        t = self._tensor_of[name]
+        slot = ctypes.c_void_p.from_address(weight + ggml.OFF_DATA)
+        assert self.mapping is not None
+        if slot.value != self.mapping.base + t.offset:
+            raise RuntimeError(f"{t.name} is not at its file offset in llama.cpp's mapping "
+                               "(was the model loaded with repacking buffer types?)")
+        slot.value = self._buffers[t.name].data
+        self._unbound.discard(name)
+
+    def _route(self, node: int) -> None:
+        tt = ggml.tensor_at(node)
+        layer = int(ggml.name_of(node)[len(_TOPK):])
+        k, n, row = int(tt.ne[0]), int(tt.ne[1]), int(tt.nb[1])
+        if n == 0 or k == 0:
+            return        # the last layer of a prefill chunk that outputs no logits
+        flat = np.ctypeslib.as_array(
+            (ctypes.c_int32 * ((n - 1) * row // 4 + k)).from_address(tt.data))
+        ids = np.lib.stride_tricks.as_strided(flat, shape=(n, k), strides=(row, 4)).copy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.layout.n_expert):
+            raise RuntimeError(f"layer {layer} routed to expert ids outside "
+                               f"0..{self.layout.n_expert - 1}")
+        if self.record_routing and n == 1:
+            self._route_row[layer] = ids[0]
+        self.ensure(layer, np.unique(ids))
+
+    def ensure(self, layer: int, ids: np.ndarray) -> Admission:
+        """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses)."""
+        assert self.cache is not None and self.reader is not None
+        t0 = time.perf_counter()
+        adm = self.cache.admit(layer, ids)
+        spare = self._victim_pages(adm.victims)
+        reads = self._reads_for(layer, adm.misses, spare)
+        for length, pages in spare.items():      # victims whose pages no miss took over
+            for buf, addr in pages:
+                buf.release_at(addr, length)
+        t1 = time.perf_counter()
+        try:
+            nbytes, io_s = self.reader.read_all(reads)
+        except BaseException:
+            self._forget(layer, adm.misses)
+            raise
+        self._count(t1 - t0, io_s, nbytes, adm)
+        return adm
+
+    def _victim_pages(self, victims: list[tuple[int, int]]
+                      ) -> dict[int, list[tuple[AnonBuffer, int]]]:
+        """The victims' interior pages, by length: to hand on to misses, or to free."""
+        spare: dict[int, list[tuple[AnonBuffer, int]]] = {}
+        for vl, ve in victims:
+            for t, buf in self._by_layer.get(vl, ()):
+                s = t.slice_bytes
+                addr, n = buf.interior(ve * s, (ve + 1) * s)
+                if n:
+                    spare.setdefault(n, []).append((buf, addr))
+        return spare
+
+    def _reads_for(self, layer: int, misses: np.ndarray,
+                   spare: dict[int, list[tuple[AnonBuffer, int]]]) -> list[Read]:
+        """One read per run of consecutive missed experts in each expert tensor of `layer`;
+        each slice takes over a victim's pages where one is spare (moved in the lane)."""
+        if not len(misses):
+            return []
+        runs: list[list[int]] = []
+        for e in misses.tolist():
+            if runs and runs[-1][1] == e:
+                runs[-1][1] = e + 1
+            else:
+                runs.append([e, e + 1])
+        recycle = self.reader is not None and self.reader.recycle
+        reads = []
+        for t, buf in self._by_layer.get(layer, ()):
+            s = t.slice_bytes
+            for e0, e1 in runs:
+                moves = []
+                for e in range(e0, e1) if recycle else ():
+                    dst, n = buf.interior(e * s, (e + 1) * s)
+                    pages = spare.get(n)
+                    if pages:
+                        moves.append((pages.pop()[1], dst, n))
+                reads.append(Read(t.offset + e0 * s, (e1 - e0) * s, buf, e0 * s, tuple(moves)))
+        return reads
+
+    def _forget(self, layer: int, ids: np.ndarray) -> None:
+        """Reads of `ids` failed: they are not resident, and their pages go back."""
+        if isinstance(self.cache, ExpertCache):
+            self.cache.resident[layer, ids] = False
+            self.cache.resident_bytes -= int(self.cache.unit_bytes[layer]) * len(ids)
+        elif isinstance(self.cache, NoCache):
+            self.cache.forget(layer)
+        for t, buf in self._by_layer.get(layer, ()):
+            s = t.slice_bytes
+            for e in ids.tolist():
+                buf.release(e * s, (e + 1) * s)
+
+    def _count(self, mgmt_s: float, io_s: float, nbytes: int, adm: Admission) -> None:
+        for c in (self._turn if self._in_prefill else self._token, self._total):
+            c.mgmt_s += mgmt_s
+            c.io_s += io_s
+            c.read_bytes += nbytes
+            c.hits += adm.hits
+            c.misses += len(adm.misses)
+            c.evictions += len(adm.victims) if self.budget.bytes else 0
+            c.rereads += adm.rereads
+            c.experts_read += len(adm.misses)
+
+    # -- Streamer protocol: per token and per turn ------------------------------------
+
+    def prefill_begin(self) -> None:
+        self._turn = _Counters()
+        self._in_prefill = True
+
+    def prefill_end(self) -> None:
+        self._in_prefill = False
+
+    def token_begin(self) -> None:
+        self._token = _Counters()
+        self._route_row.clear()
+
+    def token_end(self) -> dict[str, Any]:
+        c = self._token
+        if self.record_routing and self._route_row:
+            rows = self._route_row
+            self.routing.append(np.array([rows[layer] for layer in sorted(rows)]))
+        return {
+            "io_ms": round(c.io_s * 1000.0, 3),
+            "stall_ms": 0.0,
+            "mgmt_ms": round(c.mgmt_s * 1000.0, 3),
+            "overlap": False,
+            "read_mib": round(c.read_bytes / MIB, 4),
+            "experts_read": c.experts_read,
+            "cache_hit_pct": self._hit_pct(),
+            "cache_budget_mib": round(self.budget.bytes / MIB, 1),
+            "cache_resident_mib": round(self._resident_bytes() / MIB, 1),
+            "evictions": c.evictions,
+            "rereads": c.rereads,
+            "dense_resident_frac": self.dense_resident_frac(),
+            "odirect": bool(self.reader and self.reader.odirect),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        cache = self.cache
+        total = self._total
+        return {
+            "cache_hit_pct": self._hit_pct(),
+            "prefill_read_mib": round(self._turn.read_bytes / MIB, 3),
+            "prefill_io_s": round(self._turn.io_s, 4),
+            "overlap": False,
+            "cache_resident_mib": round(self._resident_bytes() / MIB, 1),
+            "cache_budget_mib": round(self.budget.bytes / MIB, 1),
+            "cache_mode": self.budget.mode,
+            "cache_evictions": cache.evictions if isinstance(cache, ExpertCache) else 0,
+            "cache_rereads": cache.rereads if isinstance(cache, ExpertCache) else 0,
+            "cache_discarded": 0,
+            "token_demand_mib": round(self.layout.token_cycle_bytes / MIB, 2),
+            "session_read_mib": round(total.read_bytes / MIB, 2),
+            "odirect": bool(self.reader and self.reader.odirect),
+            "odirect_fallback": self.reader.fallback_reason if self.reader else "",
+            "io_threads": self.reader.lanes if self.reader else 0,
+            "dense_weights": self.dense_mode,
+            "dense_resident_frac": self.dense_resident_frac(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Totals since load (for benchmarks and tests; per-token figures are token_end's)."""
+        c = self._total
+        return {"read_bytes": c.read_bytes, "io_s": c.io_s, "mgmt_s": c.mgmt_s,
+                "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
+                "rereads": c.rereads, "resident_bytes": self._resident_bytes(),
+                "budget_bytes": self.budget.bytes,
+                "moved_bytes": self.reader.moved_bytes if self.reader else 0}
+
+    def failure(self) -> str | None:
+        """The message of a failure inside the graph callback since the last call, if any."""
+        message, self._failure = self._failure, None
+        return message
+
+    def _hit_pct(self) -> float:
+        return self.cache.hit_pct if isinstance(self.cache, ExpertCache) else -1
+
+    def _resident_bytes(self) -> int:
+        return int(self.cache.resident_bytes) if self.cache is not None else 0
+
+    def dense_resident_frac(self) -> float:
+        now = time.monotonic()
+        if self.mapping is not None and now - self._dense_at >= _DENSE_SAMPLE_S:
+            self._dense_at = now
+            try:
+                self._dense_frac = round(resident_fraction(self.mapping, self._dense_runs), 4)
+            except OSError:
+                self._dense_frac = -1.0
+        return self._dense_frac
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+        for buf in self._buffers.values():
+            buf.close()
+        self._buffers.clear()
+        self._by_layer.clear()

@@ -1,0 +1,514 @@
+"""Expert streaming: byte-identical tokens, llama.cpp's own routing, the cache, the budget.
+
+The gates of issue 7: greedy tokens of the streamed engine equal the plain resident
+engine's (llama.cpp on mmap, no streamer) for every cache mode, across a KV-prefix reuse
+and after cancelled turns; the routing the streamer captures is the router's choice.
+Models are tiny ones the model maker writes; the sessions run the way the server runs them
+(Session + turn.prepare/run_turn).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import llama_cpp as lc
+import numpy as np
+import pytest
+
+from bmoe.engine.errors import EngineError, LoadError
+from bmoe.engine.experts import ExpertStreamer, ggml, streamer_factory
+from bmoe.engine.experts import reader as reader_mod
+from bmoe.engine.experts.budget import MIB, resolve
+from bmoe.engine.experts.cache import ExpertCache, NoCache
+from bmoe.engine.experts.layout import read_layout
+from bmoe.engine.modelmaker import make_model
+from bmoe.engine.session import Session
+from bmoe.engine.turn import TurnRequest, prepare, run_turn
+
+BASE = {"temp": 0, "ctx-size": 512, "threads": 2}
+STREAM = {"moe-stream": True, "io-threads": 2}
+N_TOKENS = 24
+QUESTION = [{"role": "user", "content": "Hello there! What is the weather like in Paris and "
+                                        "in London today? Please answer in one sentence."}]
+FOLLOW_UP = {"role": "user", "content": "And tomorrow, will it rain in the evening?"}
+
+# 4 layers x 8 experts, top-4, f32: one expert (gate+up+down) is 96 KiB, a token cycle
+# 1.5 MiB, all experts 3 MiB: a 2 MiB cache must evict, a 1 MiB one is below a cycle.
+# residual_scale 0.3 (not the maker's 0.05) makes the experts' output large enough that
+# a wrong or missing expert changes the greedy tokens, not only the logits.
+MOE = dict(n_layer=4, n_embd=128, n_expert=8, n_expert_used=4, n_ff_exp=64,
+           residual_scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("experts")
+    return {
+        "moe": make_model(d / "moe.gguf", **MOE),
+        "moe-f16": make_model(d / "moe-f16.gguf", dtype="f16", router_skew=1.0, seed=3,
+                              **MOE),
+        "dense": make_model(d / "dense.gguf", arch="qwen3"),
+    }
+
+
+# -- driving sessions the way the server does ------------------------------------------
+
+
+def open_session(path: Path, **values: Any) -> Session:
+    return Session(path, {**BASE, **values}, streamer_factory)
+
+
+def turn(session: Session, messages: list[dict[str, Any]], *, n: int = N_TOKENS,
+         cancel_at: int = 0, cancel: threading.Event | None = None
+         ) -> tuple[list[int], dict[str, Any], list[dict[str, Any]]]:
+    req = TurnRequest(messages=messages, max_tokens=n, think=False)
+    prepared = prepare(session, req)
+    cancel = cancel or threading.Event()
+    records: list[dict[str, Any]] = []
+
+    def emit(ev: Any, rec: dict[str, Any]) -> None:
+        records.append(dict(rec, telemetry=ev.telemetry))
+        if cancel_at and ev.step >= cancel_at:
+            cancel.set()
+
+    result = run_turn(session, prepared, req, cancel, emit)
+    return result.generation.tokens, result.summary, records
+
+
+Turns = list[tuple[list[int], bytes]]
+
+
+def conversation(session: Session) -> Turns:
+    """Two turns, the second reusing the first's KV prefix: each turn's greedy tokens and
+    the bytes of the last logits it computed (bit-for-bit, a stronger check than tokens)."""
+    first, _, _ = turn(session, QUESTION)
+    out = [(first, session.logits_row().tobytes())]
+    text = "".join(session.token_text(t) for t in first)
+    second, summary, _ = turn(session, QUESTION + [{"role": "assistant", "content": text},
+                                                   FOLLOW_UP])
+    prompt_len = summary["n_past"] - len(second) + 1
+    assert summary["n_prompt"] < prompt_len - 20, "the second turn reused no KV prefix"
+    out.append((second, session.logits_row().tobytes()))
+    return out
+
+
+_reference: dict[str, Turns] = {}
+
+
+def resident(models: dict[str, Path], name: str) -> Turns:
+    """The plain resident engine's tokens for `conversation` (computed once per model)."""
+    if name not in _reference:
+        s = Session(models[name], dict(BASE))
+        try:
+            assert s.streamer is None
+            _reference[name] = conversation(s)
+        finally:
+            s.close()
+    return _reference[name]
+
+
+def streamed(path: Path, check: Callable[[ExpertStreamer], None] | None = None,
+             **values: Any) -> Turns:
+    s = open_session(path, **STREAM, **values)
+    try:
+        assert isinstance(s.streamer, ExpertStreamer)
+        tokens = conversation(s)
+        if check:
+            check(s.streamer)
+        return tokens
+    finally:
+        s.close()
+
+
+# -- the gates: byte-identical greedy tokens ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["moe", "moe-f16"])
+def test_cache_off_matches_resident(models: dict[str, Path], name: str) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert st.summary()["cache_hit_pct"] == -1
+        assert st.stats()["read_bytes"] > 0
+
+    assert streamed(models[name], check, **{"cache-mb": 0}) == resident(models, name)
+
+
+def test_small_cache_evicts_and_matches(models: dict[str, Path]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        s = st.summary()
+        assert s["cache_budget_mib"] == 2.0
+        assert s["cache_evictions"] > 0 and s["cache_rereads"] > 0
+        assert s["cache_resident_mib"] <= 2.0
+        assert 0 < s["cache_hit_pct"] < 100
+
+    assert streamed(models["moe"], check, **{"cache-mb": 2}) == resident(models, "moe")
+
+
+def test_auto_cache_matches(models: dict[str, Path]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert st.budget.mode == "auto"
+        assert st.budget.bytes == st.layout.expert_bytes   # plenty of memory: everything
+
+    values = {"cache-mb": "auto", "cache-floor-mb": 64}
+    assert streamed(models["moe-f16"], check, **values) == resident(models, "moe-f16")
+
+
+def test_load_all_matches(models: dict[str, Path]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert st.summary()["cache_hit_pct"] == 100.0
+        assert st.load_info["load_all_mib"] == pytest.approx(3.0, abs=0.05)
+        assert st.stats()["read_bytes"] == 0       # nothing read after the load
+
+    assert streamed(models["moe"], check, **{"load-all": True}) == resident(models, "moe")
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_matches(models: dict[str, Path]) -> None:
+    # Prefill decodes 512 tokens at a time and only the last chunk outputs logits: the
+    # last layer of the other chunks routes zero tokens.
+    long = [{"role": "user", "content": "Tell me about the weather in every city. " * 90}]
+    ref = Session(models["moe"], dict(BASE, **{"ctx-size": 2048}))
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2, "ctx-size": 2048})
+    try:
+        want, _, _ = turn(ref, long, n=8)
+        got, summary, _ = turn(s, long, n=8)
+        assert summary["n_prompt"] > 512
+        assert got == want and ref.logits_row().tobytes() == s.logits_row().tobytes()
+    finally:
+        s.close()
+        ref.close()
+
+
+def test_forced_cache_below_a_token_cycle_still_matches(models: dict[str, Path]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert st.summary()["cache_budget_mib"] == 1.0
+        assert st.summary()["cache_evictions"] > 0
+
+    values = {"cache-mb": 1, "force-cache": True}
+    assert streamed(models["moe"], check, **values) == resident(models, "moe")
+
+
+def test_dense_weights_on_the_mapping_match(models: dict[str, Path]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert 0.0 < st.dense_resident_frac() <= 1.0
+
+    values = {"cache-mb": 2, "dense-weights": "mmap"}
+    assert streamed(models["moe"], check, **values) == resident(models, "moe")
+
+
+def test_cancelled_turns_then_a_new_one_match(models: dict[str, Path]) -> None:
+    ref = Session(models["moe"], dict(BASE))
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2})
+    try:
+        # cancelled while decoding, after 3 tokens: both engines the same way
+        want, _, _ = turn(ref, QUESTION, cancel_at=3)
+        got, summary, _ = turn(s, QUESTION, cancel_at=3)
+        assert summary["cancelled"] and got == want and len(got) == 3
+        # cancelled in the middle of a prefill graph, between two layers' expert loads
+        cancel = threading.Event()
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        ensure = st.ensure
+
+        def ensure_then_cancel(layer: int, ids: np.ndarray) -> Any:
+            if layer == 1:
+                cancel.set()
+            return ensure(layer, ids)
+
+        st.ensure = ensure_then_cancel  # type: ignore[method-assign]
+        other = [{"role": "user", "content": "Write a short poem about the sea and the wind."}]
+        got, summary, _ = turn(s, other, cancel=cancel)
+        st.ensure = ensure  # type: ignore[method-assign]
+        assert summary["cancelled"] and got == []
+        # a new turn after both
+        want, _, _ = turn(ref, other)
+        got, _, _ = turn(s, other)
+        assert got == want and len(got) == N_TOKENS
+    finally:
+        s.close()
+        ref.close()
+
+
+# -- routing: the ids the streamer captures are the router's --------------------------------
+
+
+class RouterProbe:
+    """A bare Streamer that records the router's logits, its input and ffn_moe_topk as
+    llama.cpp computed them, without moving any weight (the plain resident engine)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, np.ndarray] = {}
+        self.cb = lc.ggml_backend_sched_eval_callback(self._eval)
+
+    def _eval(self, t: int, ask: bool, _user: Any) -> bool:
+        name = ctypes.string_at(t + ggml.OFF_NAME).decode()
+        kind = name.rsplit("-", 1)[0]
+        if kind not in ("ffn_moe_topk", "ffn_moe_logits", "ffn_norm"):
+            return False
+        if ask:
+            return True
+        tt = ggml.tensor_at(t)
+        ne0, ne1, nb1 = int(tt.ne[0]), int(tt.ne[1]), int(tt.nb[1])
+        ctype = ctypes.c_int32 if kind == "ffn_moe_topk" else ctypes.c_float
+        flat = np.ctypeslib.as_array((ctype * ((ne1 - 1) * nb1 // 4 + ne0)).from_address(tt.data))
+        rows = np.lib.stride_tricks.as_strided(flat, (ne1, ne0), (nb1, 4)).copy()
+        self.rows[name] = rows
+        return True
+
+    def configure_model_params(self, params: Any) -> None:
+        pass
+
+    def configure_context_params(self, params: Any) -> None:
+        params.cb_eval = self.cb
+        params.cb_eval_user_data = None
+
+    def attach(self, model: Any, ctx: Any) -> None:
+        pass
+
+    def prefill_begin(self) -> None:
+        pass
+
+    def prefill_end(self) -> None:
+        pass
+
+    def token_begin(self) -> None:
+        pass
+
+    def token_end(self) -> dict[str, Any]:
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def failure(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def teacher_forced(session: Session, tokens: list[int], each: Callable[[int], None]) -> None:
+    for i in range(1, len(tokens) + 1):
+        session.prefill(tokens[:i], threading.Event())
+        each(i - 1)
+
+
+def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path]) -> None:
+    path = models["moe-f16"]
+    probe = RouterProbe()
+    plain = Session(path, dict(BASE), lambda _s: probe)
+    s = open_session(path, **STREAM, **{"cache-mb": 0})
+    st = s.streamer
+    assert isinstance(st, ExpertStreamer)
+    st.record_routing = True
+    text = "The quick brown fox jumps over the lazy dog; then it rains in Paris."
+    tokens = plain.tokenize(text)
+    reader = gguf.GGUFReader(path)
+    routers = {int(t.name.split(".")[1]): np.array(t.data, dtype=np.float32)
+               for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
+    k = read_layout(path).n_expert_used
+    by_llama: list[np.ndarray] = []
+
+    def check_plain(_i: int) -> None:
+        layers = []
+        for layer, w in sorted(routers.items()):
+            ids = probe.rows[f"ffn_moe_topk-{layer}"][-1]
+            logits = probe.rows[f"ffn_moe_logits-{layer}"][-1]
+            hidden = probe.rows[f"ffn_norm-{layer}"][-1]
+            # the router's logits are W_gate_inp @ its input, and topk is their top k
+            np.testing.assert_allclose(w @ hidden, logits, rtol=2e-3, atol=2e-3)
+            assert set(ids.tolist()) == set(np.argsort(-logits, kind="stable")[:k].tolist())
+            layers.append(ids)
+        by_llama.append(np.array(layers))
+
+    try:
+        teacher_forced(plain, tokens, check_plain)
+        for i in range(1, len(tokens) + 1):
+            st.token_begin()
+            s.prefill(tokens[:i], threading.Event())
+            st.token_end()
+        assert len(st.routing) == len(tokens) == len(by_llama)
+        for got, want in zip(st.routing, by_llama, strict=True):
+            np.testing.assert_array_equal(got, want)
+        routed = np.array(st.routing)
+        assert len(np.unique(routed)) > k      # the routing does vary from token to token
+    finally:
+        s.close()
+        plain.close()
+
+
+# -- the budget, load errors, fallbacks ----------------------------------------------------
+
+
+def test_budget_below_a_token_cycle_is_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(LoadError) as err:
+        open_session(models["moe"], **STREAM, **{"cache-mb": 1})
+    assert "{cache-mb}" in err.value.message and "token cycle" in err.value.message
+    assert "1.5 MiB" in err.value.message
+
+
+def test_auto_budget_clamps() -> None:
+    cycle, total = 10 * MIB, 100 * MIB
+    big = {"cache-mb": "auto", "cache-floor-mb": 0}
+    assert resolve(big, token_cycle=cycle, all_bytes=total).bytes == total
+    ceil = resolve({**big, "cache-ceil-mb": 50}, token_cycle=cycle, all_bytes=total)
+    assert ceil.bytes == 50 * MIB and ceil.mode == "auto"
+    huge_floor = {"cache-mb": "auto", "cache-floor-mb": 1 << 30}
+    assert resolve(huge_floor, token_cycle=cycle, all_bytes=total).bytes == cycle
+    with pytest.raises(LoadError, match="cache-ceil-mb"):
+        resolve({**big, "cache-ceil-mb": 5}, token_cycle=cycle, all_bytes=total)
+    assert resolve({"cache-mb": 0}, token_cycle=cycle, all_bytes=total).bytes == 0
+    assert resolve({"cache-mb": 500}, token_cycle=cycle, all_bytes=total).bytes == total
+
+
+def test_factory_streams_only_moe_files(models: dict[str, Path]) -> None:
+    dense = open_session(models["dense"], **STREAM)
+    off = open_session(models["moe"], **{"moe-stream": False})
+    try:
+        assert dense.streamer is None and off.streamer is None
+    finally:
+        dense.close()
+        off.close()
+    layout = read_layout(models["moe"])
+    assert layout.token_cycle_bytes == 4 * 4 * layout.unit_bytes(0)
+    assert not read_layout(models["dense"]).experts
+
+
+def test_refused_o_direct_falls_back_to_buffered_reads(models: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(reader_mod.os, "open", no_direct)
+
+    def check(st: ExpertStreamer) -> None:
+        s = st.summary()
+        assert s["odirect"] is False and "refused O_DIRECT" in s["odirect_fallback"]
+
+    assert streamed(models["moe"], check, **{"cache-mb": 2}) == resident(models, "moe")
+
+
+def test_a_direct_read_refused_midway_falls_back(models: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer) and st.reader is not None
+        if not st.reader.odirect:
+            pytest.skip("this file system refuses O_DIRECT")
+        direct_fd, real_preadv = st.reader.direct_fd, os.preadv
+
+        def refuse(fd: int, buffers: Any, offset: int) -> int:
+            if fd == direct_fd:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(reader_mod.os, "preadv", refuse)
+        got = conversation(s)
+        assert st.summary()["odirect"] is False
+        assert "refused" in st.summary()["odirect_fallback"]
+    finally:
+        s.close()
+    assert got == resident(models, "moe")
+
+
+def test_buffered_reads_when_o_direct_is_off(models: dict[str, Path]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert st.summary()["odirect"] is False
+        assert st.summary()["odirect_fallback"] == "o-direct is off"
+
+    values = {"cache-mb": 2, "o-direct": False}
+    assert streamed(models["moe"], check, **values) == resident(models, "moe")
+
+
+def test_o_direct_is_used_where_the_file_system_allows_it(models: dict[str, Path]) -> None:
+    try:
+        os.close(os.open(models["moe"], os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2})
+    try:
+        _, summary, records = turn(s, QUESTION, n=4)
+        assert s.streamer is not None and s.streamer.summary()["odirect"] is True
+        assert all(r["telemetry"]["odirect"] is True for r in records)
+    finally:
+        s.close()
+
+
+def test_a_failed_read_is_an_error_and_the_session_recovers(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    s = open_session(models["moe"], **{**STREAM, "cache-mb": 2, "io-threads": 1})
+    try:
+        def broken(self: Any, r: Any) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(reader_mod.ExpertReader, "_one", broken)
+        with pytest.raises(EngineError) as err:
+            turn(s, QUESTION)
+        assert err.value.code == "failed" and "Input/output error" in err.value.message
+        monkeypatch.undo()
+        tokens, _, _ = turn(s, QUESTION)
+        assert tokens == resident(models, "moe")[0][0]
+    finally:
+        s.close()
+
+
+# -- telemetry -----------------------------------------------------------------------------
+
+
+def test_per_token_telemetry_and_summary(models: dict[str, Path]) -> None:
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2})
+    try:
+        _, summary, records = turn(s, QUESTION)
+        tel = records[0]["telemetry"]
+        for key in ("io_ms", "read_mib", "cache_hit_pct", "mgmt_ms", "stall_ms",
+                    "cache_budget_mib", "cache_resident_mib", "evictions", "rereads",
+                    "dense_resident_frac", "odirect"):
+            assert key in tel, key
+        assert tel["stall_ms"] == 0.0 and tel["overlap"] is False
+        assert tel["cache_budget_mib"] == 2.0 and tel["dense_resident_frac"] == 1.0
+        assert 0 <= tel["cache_hit_pct"] <= 100
+        assert sum(r["telemetry"]["read_mib"] for r in records) > 0
+        assert summary["prefill_read_mib"] > 0 and summary["cache_budget_mib"] == 2.0
+        assert summary["token_demand_mib"] == 1.5
+        assert summary["cache_hit_pct"] == records[-1]["cache_hit_pct"]
+        # the record the server sends carries the streamer's figures
+        assert records[1]["read_mib"] == records[1]["telemetry"]["read_mib"]
+    finally:
+        s.close()
+
+
+# -- the cache, without I/O ----------------------------------------------------------------
+
+
+def test_lru_evicts_the_least_recently_used_and_never_the_current_layer() -> None:
+    unit = np.array([10, 10])
+    c = ExpertCache(unit, n_expert=4, budget=40)
+    assert c.admit(0, np.array([0, 1])).misses.tolist() == [0, 1]
+    assert c.admit(1, np.array([0, 1])).misses.tolist() == [0, 1]
+    hit = c.admit(0, np.array([0]))                      # (0,0) is now the most recent
+    assert hit.hits == 1 and not hit.victims
+    adm = c.admit(1, np.array([2, 3]))                   # needs 20: evicts (0,1), (1,0)
+    assert sorted(adm.victims) == [(0, 1), (1, 0)]
+    assert c.resident_bytes == 40 and c.evictions == 2
+    adm = c.admit(0, np.array([0, 1, 2, 3]))             # a whole layer: overshoots
+    assert all(layer != 0 for layer, _ in adm.victims)
+    assert c.resident[0].all()
+    assert c.rereads == 1                                # (0,1) came back
+
+
+def test_no_cache_releases_what_the_layer_no_longer_uses() -> None:
+    c = NoCache(2, np.array([10, 10]))
+    assert c.admit(0, np.array([1, 2])).victims == []
+    adm = c.admit(0, np.array([2, 3]))
+    assert adm.misses.tolist() == [2, 3] and adm.victims == [(0, 1)]
+    assert c.resident_bytes == 20
