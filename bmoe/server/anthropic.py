@@ -38,7 +38,8 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from . import chatreq
-from .chatoutput import TurnOutput, check_json_answer, engine_http_error, grammar_for
+from .chatoutput import (TurnOutput, check_json_answer, engine_http_error, open_stream_turn,
+                         require_model, run_whole)
 from .shapes import anthropic_error
 from .state import ServerState
 from .turnrunner import Batch, TurnRun
@@ -378,22 +379,8 @@ class MessagesTurn:
                 "usage": usage}
 
     async def complete(self) -> Response:
-        run = TurnRun(self.state, self.req, grammar_for=grammar_for)
-        try:
-            prepared = await run.start()
-            self.model = run.session.path.name if run.session else ""
-            out = TurnOutput(prepared, self.req)
-
-            async def on_batch(batch: Batch) -> None:
-                out.feed("".join(ev.text for ev, _ in batch))
-
-            result = await run.run(on_batch)
-        except EngineError as e:
-            raise http_error(e) from None
-        finally:
-            run.close()
-        view = out.finish(result)
-        await check_json_answer(self.state, self.req, result, view)
+        whole = await run_whole(self.state, self.req, http_error)
+        self.model, result, view = whole.model, whole.result, whole.view
         body = self.message(content_blocks(view), _stop_reason(result, bool(view.tool_calls)),
                             _usage(result))
         body["bmoe"] = {"summary": result.summary}
@@ -471,23 +458,11 @@ def block_events(ev: BlockEvent) -> list[bytes]:
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = build_turn(state, body)
-    if state.session is None and state.state != "loading":
-        raise HTTPError(503, "no_model", "No model is loaded. Load one with "
-                        "POST /api/session/load or start the server with -m.")
+    require_model(state)
     turn = MessagesTurn(state, req)
     if not body.get("stream"):
         return await turn.complete()
-    run = TurnRun(state, req, grammar_for=grammar_for)
-    if not state.turns.busy and state.state == "ready":
-        # The line is free: take the turn and prepare now, so a refusal is a plain 400.
-        try:
-            await run.start()
-        except EngineError as e:
-            run.close()
-            raise http_error(e) from None
-        except BaseException:
-            run.close()
-            raise
+    run = await open_stream_turn(state, req, http_error)
     return StreamResponse(produce=lambda send: turn.stream(run, send), headers=list(SSE_HEADERS),
                           on_close=run.close)
 

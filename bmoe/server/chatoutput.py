@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ..engine import grammar, params
 from ..engine.chatparse import ChatDeltaStream, OutputParser, ParseView, random_call_ids
@@ -20,6 +21,7 @@ from ..engine.chatparse import CALL_OPEN
 from ..engine.turn import LazyGrammar, Prepared, TurnRequest, TurnResult
 from ..http.errors import HTTPError
 from .bridge import wait_future
+from .turnrunner import Batch, TurnRun
 
 log = logging.getLogger("bmoe.chat")
 
@@ -127,3 +129,61 @@ async def check_json_answer(state: Any, req: TurnRequest, result: TurnResult,
         await wait_future(state.engine.submit(session.truncate_kv, result.generation.n_prompt))
     raise HTTPError(500, "invalid_output", "The model's answer is not valid JSON although the "
                     "request asked for JSON; the turn was rolled back.")
+
+
+# -- running a turn for an adapter ------------------------------------------------------
+
+def require_model(state: Any) -> None:
+    """503 no_model before anything else, unless a load is under way (it is waited for)."""
+    if state.session is None and state.state != "loading":
+        raise HTTPError(503, "no_model", "No model is loaded. Load one with "
+                        "POST /api/session/load or start the server with -m.")
+
+
+async def open_stream_turn(state: Any, req: TurnRequest,
+                           to_http: Callable[[EngineError], HTTPError]) -> TurnRun:
+    """A streaming turn's place in line. When the line is free the turn is taken and the
+    prompt prepared now, before the 200, so a refusal is a plain error response."""
+    run = TurnRun(state, req, grammar_for=grammar_for)
+    if not state.turns.busy and state.state == "ready":
+        try:
+            await run.start()
+        except EngineError as e:
+            run.close()
+            raise to_http(e) from None
+        except BaseException:
+            run.close()
+            raise
+    return run
+
+
+@dataclass
+class WholeTurn:
+    model: str
+    output: TurnOutput
+    result: TurnResult
+    view: ParseView
+
+
+async def run_whole(state: Any, req: TurnRequest, to_http: Callable[[EngineError], HTTPError],
+                    on_view: Callable[[Batch, ParseView], None] | None = None) -> WholeTurn:
+    """A non-streaming turn from place in line to the checked final view."""
+    run = TurnRun(state, req, grammar_for=grammar_for)
+    try:
+        prepared = await run.start()
+        model = run.session.path.name if run.session else ""
+        out = TurnOutput(prepared, req)
+
+        async def on_batch(batch: Batch) -> None:
+            view = out.feed("".join(ev.text for ev, _ in batch))
+            if on_view is not None:
+                on_view(batch, view)
+
+        result = await run.run(on_batch)
+    except EngineError as e:
+        raise to_http(e) from None
+    finally:
+        run.close()
+    view = out.finish(result)
+    await check_json_answer(state, req, result, view)
+    return WholeTurn(model, out, result, view)

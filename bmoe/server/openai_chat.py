@@ -13,7 +13,8 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from . import chatreq
-from .chatoutput import TurnOutput, check_json_answer, engine_http_error, grammar_for
+from .chatoutput import (TurnOutput, check_json_answer, engine_http_error, open_stream_turn,
+                         require_model, run_whole)
 from .state import ServerState
 from .turnrunner import Batch, TurnRun
 from .validate import field, object_list
@@ -218,22 +219,8 @@ class ChatCompletion:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     async def complete(self) -> Response:
-        run = TurnRun(self.state, self.req, grammar_for=grammar_for)
-        try:
-            prepared = await run.start()
-            self.model = run.session.path.name if run.session else ""
-            out = TurnOutput(prepared, self.req)
-
-            async def on_batch(batch: Batch) -> None:
-                out.feed("".join(ev.text for ev, _ in batch))
-
-            result = await run.run(on_batch)
-        except EngineError as e:
-            raise engine_http_error(e) from None
-        finally:
-            run.close()
-        view = out.finish(result)
-        await check_json_answer(self.state, self.req, result, view)
+        whole = await run_whole(self.state, self.req, engine_http_error)
+        self.model, out, result, view = whole.model, whole.output, whole.result, whole.view
         calls = out.tool_calls_final(view)
         message: dict[str, Any] = {"role": "assistant",
                                    "content": view.content if (view.content or not calls) else None}
@@ -307,24 +294,12 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     body = request.json_object()
     chatreq.refuse_lone_surrogates(body)
     req, _named = build_turn(state, body)
-    if state.session is None and state.state != "loading":
-        raise HTTPError(503, "no_model", "No model is loaded. Load one with "
-                        "POST /api/session/load or start the server with -m.")
+    require_model(state)
     chat = ChatCompletion(state, req)
     if not body.get("stream"):
         return await chat.complete()
     opts = body.get("stream_options") or {}
     include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-    run = TurnRun(state, req, grammar_for=grammar_for)
-    if not state.turns.busy and state.state == "ready":
-        # The line is free: take the turn and prepare now, so a refusal is a plain 400.
-        try:
-            await run.start()
-        except EngineError as e:
-            run.close()
-            raise engine_http_error(e) from None
-        except BaseException:
-            run.close()
-            raise
+    run = await open_stream_turn(state, req, engine_http_error)
     return StreamResponse(produce=lambda send: chat.stream(run, include_usage, send),
                           on_close=run.close)
