@@ -122,7 +122,7 @@ def test_describe_shape(server: bool) -> None:
     described = params.describe(server)
     json.dumps(described)  # plain JSON
     assert [d["key"] for d in described] == KEYS
-    for d, p in zip(described, ROWS):
+    for d, p in zip(described, ROWS, strict=False):
         assert all(k in d for k in REQUIRED), d["key"]
         assert set(d) <= set(REQUIRED) | set(OPTIONAL), d["key"]
         assert d["default"] == p.default_for(server)

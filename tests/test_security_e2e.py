@@ -473,7 +473,7 @@ def test_a_network_peer(namespace: str, tmp_path: Path, tiny_moe: Path) -> None:
         answers = from_namespace(namespace, port, [c[1] for c in cases])
         assert len(answers) == len(cases)
         wrong = []
-        for (name, _, status, code), (got, body) in zip(cases, answers):
+        for (name, _, status, code), (got, body) in zip(cases, answers, strict=False):
             if status == -1:
                 ok = got != 401
             else:
@@ -481,7 +481,7 @@ def test_a_network_peer(namespace: str, tmp_path: Path, tiny_moe: Path) -> None:
             if not ok:
                 wrong.append((name, got, body))
         assert not wrong
-        by_name = {c[0]: a[1] for c, a in zip(cases, answers)}
+        by_name = {c[0]: a[1] for c, a in zip(cases, answers, strict=False)}
         assert set(by_name["config outside"]["rejected"]) == {"model"}
         assert "not inside a models folder" in by_name["config outside"]["rejected"]["model"]
         assert set(by_name["config via link"]["rejected"]) == {"model"}

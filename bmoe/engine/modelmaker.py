@@ -306,7 +306,7 @@ def _pretokens(text: str) -> Counter[tuple[str, ...]]:
 
 
 def _pairs(word: Sequence[str]) -> Iterator[tuple[str, str]]:
-    return zip(word[:-1], word[1:])
+    return zip(word[:-1], word[1:], strict=False)
 
 
 def train_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
@@ -408,7 +408,7 @@ def build_vocab(control_tags: bool = False) -> Vocab:
 def _suppressed_ids(tokens: Sequence[str], types: Sequence[int]) -> Iterator[int]:
     u2b = {u: b for b, u in byte_to_unicode().items()}
     allowed_bytes = set(range(0x20, 0x7F)) | {0x09, 0x0A}
-    for i, (text, kind) in enumerate(zip(tokens, types)):
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=False)):
         if kind != gguf.TokenType.NORMAL:
             yield i
         elif any(u2b[c] not in allowed_bytes for c in text):
