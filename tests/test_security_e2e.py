@@ -374,14 +374,21 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def _skip_outside_ci(reason: str) -> None:
+    """A real non-loopback peer is required in CI (root, iproute2); elsewhere it may skip."""
+    if os.environ.get("CI"):
+        pytest.fail("CI must run the network-namespace tests: " + reason)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def namespace() -> Iterator[str]:
     if sys.platform != "linux" or shutil.which("ip") is None:
-        pytest.skip("needs Linux and iproute2 to create a network namespace")
+        _skip_outside_ci("needs Linux and iproute2 to create a network namespace")
     try:
         _ip("netns", "add", NS)
     except subprocess.CalledProcessError as exc:
-        pytest.skip(f"ip netns is not permitted here: {exc.stderr.decode().strip()}")
+        _skip_outside_ci(f"ip netns is not permitted here: {exc.stderr.decode().strip()}")
     try:
         _ip("link", "add", VETH, "type", "veth", "peer", "name", VETH + "n")
         _ip("link", "set", VETH + "n", "netns", NS)
@@ -487,8 +494,8 @@ def test_a_network_peer(namespace: str, tmp_path: Path, tiny_moe: Path) -> None:
         assert set(by_name["config via link"]["rejected"]) == {"model"}
         assert by_name["config inside"]["rejected"] == {}
         assert by_name["load relative"]["model"] == str(inside)
-        wait_for(lambda: srv.info()["model"] and srv.info()["model"]["path"] == str(scanned), 60,
-                 "the scan-dir model to load")
+        wait_for(lambda: (srv.info()["model"] or {}).get("path") == str(scanned), 60,
+                 "the scan-dir model to load")  # one read of the state: a load may be under way
         assert srv.info()["state"] == "ready"
     finally:
         srv.stop()
