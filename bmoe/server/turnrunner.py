@@ -94,7 +94,7 @@ class TurnRun:
             state.publish_state()
         result: TurnResult = await wait_future(fut)
         state.bus.publish("done", result.summary)
-        log_turn(state, result)
+        log_turn(state, session, result)
         return result
 
     async def _pump(self, pipe: TokenPipe, on_batch: Callable[[Batch], Awaitable[None]],
@@ -115,16 +115,15 @@ class TurnRun:
             await on_batch(batch)
 
 
-def log_turn(state: ServerState, result: TurnResult) -> None:
+def log_turn(state: ServerState, session: Session, result: TurnResult) -> None:
     gen, s = result.generation, result.summary
     hit = s.get("cache_hit_pct", -1)
     state.bus.log(
         "info",
         f"answer: {s['tokens']} tokens at {s['tok_s']:.1f} tok/s ({gen.finish}); prompt "
         f"{gen.n_prompt} tokens ({gen.n_prefilled} prefilled in {gen.prefill_s:.3f} s); "
-        f"context {gen.n_past}/{result.prepared and (state.session.n_ctx if state.session else 0)}; "
-        f"experts read {s['read_mib']:.1f} MiB, hit {hit if hit >= 0 else 'n/a'}"
-        + ("%" if hit >= 0 else ""))
+        f"context {gen.n_past}/{session.n_ctx}; experts read {s['read_mib']:.1f} MiB, "
+        f"hit {f'{hit}%' if hit >= 0 else 'n/a'}")
     if gen.budget_cut_by_context:
         asked = gen.requested_budget or "no ceiling"
         state.bus.log("warn", f"an answer stopped at the end of the context: it asked for "
