@@ -339,3 +339,19 @@ def test_turns_run_in_arrival_order(server: ServerProcess) -> None:
     for t in threads:
         t.join(60)
     assert order == [0, 1, 2, 3]
+
+
+def test_auto_tools_the_grammar_cannot_express_still_answer(server: ServerProcess) -> None:
+    # llama.cpp's converter refuses this pattern; with tool_choice auto the turn must
+    # still run (the calls are then not held to a grammar), not be refused.
+    odd = {"type": "function", "function": {"name": "fetch", "parameters": {
+        "type": "object", "properties": {"url": {"type": "string", "pattern": "^https?://"}},
+        "required": ["url"]}}}
+    status, _, body = server.request("POST", "/v1/chat/completions", {
+        "messages": _user("Fetch it."), "tools": [odd, WEATHER], "max_tokens": 8, **NO_THINK})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    status, _, body = server.request("POST", "/v1/chat/completions", {
+        "messages": _user("Fetch it."), "tools": [odd], "tool_choice": "required",
+        "max_tokens": 8, **NO_THINK})
+    assert status == 400 and body["code"] == "invalid_request" and "fetch" in body["error"]

@@ -95,14 +95,23 @@ def grammar_for(session: Any, req: TurnRequest, framing: str | None,
         if req.grammar:
             return req.grammar
         if req.tools and req.tool_choice == "auto" and framing is not None:
-            # Free text, until the model opens a call: from there the call must name an
-            # offered tool with arguments that match it (as llama.cpp's server does).
-            return LazyGrammar(grammar.tool_call_grammar(framing, req.tools,
-                                                         allow_reasoning=False, parallel=True),
-                               [CALL_OPEN])
+            return _lazy_call_grammar(framing, req.tools)
     except ValueError as e:
         raise EngineError("invalid_request", str(e)) from None
     return None
+
+
+def _lazy_call_grammar(framing: str, tools: list[dict[str, Any]]) -> LazyGrammar | None:
+    """Free text, until the model opens a call: from there the call must name an offered
+    tool with arguments that match it (as llama.cpp's server does). A tool list the grammar
+    cannot express leaves the calls unconstrained rather than refusing a turn that may
+    never call a tool."""
+    try:
+        text = grammar.tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True)
+    except ValueError as e:
+        log.warning("tool calls will not be held to a grammar: %s", e)
+        return None
+    return LazyGrammar(text, [CALL_OPEN])
 
 
 def _schema_grammar(schema: dict[str, Any], think: bool, starts_in_reasoning: bool) -> str:
