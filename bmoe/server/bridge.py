@@ -37,6 +37,17 @@ async def wait_future(fut: Future[Any]) -> Any:
     return fut.result()
 
 
+async def let_go(fut: Future[Any]) -> None:
+    """After asking the engine to stop: wait, shielded, until it has let go of the job
+    (never leave the engine thread holding work for a caller that is gone). The job's
+    own outcome is dropped: the caller's exception is the one that matters."""
+    with trio.CancelScope(shield=True):
+        try:
+            await wait_future(fut)
+        except Exception:  # noqa: BLE001
+            pass
+
+
 class TokenPipe:
     def __init__(self, cancel: threading.Event, capacity: int = PIPE_CAPACITY) -> None:
         self._token = trio.lowlevel.current_trio_token()

@@ -23,7 +23,7 @@ from ..engine.decide import DecideRequest, DecideResult, decide
 from ..engine.errors import EngineError
 from ..http.errors import HTTPError, invalid_request
 from ..http.types import Request, Response
-from .bridge import wait_future
+from .bridge import let_go, wait_future
 from .chatoutput import engine_http_error
 from . import chatreq
 from .state import ServerState
@@ -84,11 +84,7 @@ async def _run(state: ServerState, session: Any, req: DecideRequest) -> DecideRe
         return await wait_future(fut)  # type: ignore[no-any-return]
     except trio.Cancelled:
         cancel.set()                   # our client left: stop the prefill, then let go
-        with trio.CancelScope(shield=True):
-            try:
-                await wait_future(fut)
-            except Exception:  # noqa: BLE001 - the caller's own exception wins
-                pass
+        await let_go(fut)
         raise
     finally:
         state.generating = False

@@ -17,7 +17,7 @@ import trio
 from ..engine.errors import EngineError
 from ..engine.session import Session, TokenEvent
 from ..engine.turn import Prepared, TurnRequest, TurnResult, prepare, run_turn
-from .bridge import TokenPipe, wait_future
+from .bridge import TokenPipe, let_go, wait_future
 from .state import ServerState
 from .turns import Place
 
@@ -81,11 +81,7 @@ class TurnRun:
             await self._pump(pipe, on_batch, on_idle)
         except BaseException:
             pipe.close_reader()
-            with trio.CancelScope(shield=True):
-                try:
-                    await wait_future(fut)
-                except Exception:  # noqa: BLE001 - the caller's own exception wins
-                    pass
+            await let_go(fut)
             raise
         finally:
             state.generating = False
