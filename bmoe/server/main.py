@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit one more browser origin (e.g. a UI dev server)")
     p.add_argument("--parent-pid", type=int, help="stop when this process ends")
     p.add_argument("--open", action="store_true", help="open the UI in the system's browser")
+    p.add_argument("--autoload", action="store_true",
+                   help="load the saved model at start, and again when a request finds none "
+                        "loaded (the request waits for it)")
+    p.add_argument("--log-file", type=Path, default=None,
+                   help="also write every line of stderr, timestamped, to this file (moved "
+                        "to FILE.1 at 16 MiB)")
     params.add_cli_flags(p, server=True)
     return p
 
@@ -110,7 +115,14 @@ def open_browser(url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["service"]:
+        from ..service.cli import main as service_main
+        return service_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.log_file is not None:
+        from ..service import logtee
+        logtee.start(args.log_file.expanduser().absolute())
     key = read_key(args)
     check_binding(args.host, key, args.no_api_key)
     data_dir = (args.data_dir or default_data_dir()).expanduser().resolve()
@@ -135,32 +147,42 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.AccessPolicy,
                 args: argparse.Namespace) -> None:
+    from ..service.autoload import AutoloadState
+    from ..service.stopping import watch_signals
     config = ConfigStore(options.data_dir, launch)
     bus = EventBus()
-    state = ServerState(options, config, bus, streamer_factory=streamer_factory)
+    kind = AutoloadState if args.autoload else ServerState
+    state = kind(options, config, bus, streamer_factory=streamer_factory)
     app = HttpApp(build_routes(state), policy, assets_dir(), error_shaper=error_shaper)
-    try:
-        async with trio.open_nursery() as nursery:
-            state.attach(nursery)
-            port = await nursery.start(serve_http, app, options.host, options.port)
-            policy.port = port
-            shown = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
-            url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}/"
-            print(f"bmoe-server listening on {url}", flush=True)
-            if args.parent_pid:
-                nursery.start_soon(watch_parent, args.parent_pid, nursery.cancel_scope)
-            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-            if config.values.get("model"):
-                state.begin_load(str(config.values["model"]), config.values)
-            if args.open:
-                open_browser(url)
-    finally:
-        with trio.CancelScope(shield=True):
-            await state.aclose()
+    running = trio.CancelScope()
+    async with trio.open_nursery() as outer:
+        await outer.start(watch_signals, state, running)   # SIGTERM / SIGINT: a clean stop
+        try:
+            with running:
+                async with trio.open_nursery() as nursery:
+                    state.attach(nursery)
+                    await _start(nursery, state, app, policy, options, args)
+        finally:
+            with trio.CancelScope(shield=True):
+                await state.aclose()
+            outer.cancel_scope.cancel()
 
 
-async def _stop_on_signal(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
+async def _start(nursery: trio.Nursery, state: ServerState, app: HttpApp,
+                 policy: access.AccessPolicy, options: ServerOptions,
+                 args: argparse.Namespace) -> None:
+    port = await nursery.start(serve_http, app, options.host, options.port)
+    policy.port = port
+    shown = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}/"
+    print(f"bmoe-server listening on {url}", flush=True)
+    if args.log_file is not None:
+        print(f"bmoe: listening on {url}", file=sys.stderr, flush=True)
+    if args.parent_pid:
+        nursery.start_soon(watch_parent, args.parent_pid, nursery.cancel_scope)
+    if args.autoload:
+        state.start_autoload()                 # type: ignore[attr-defined]
+    elif options.launch_model:                 # without --autoload only -m loads at start
+        state.begin_load(str(state.config.values["model"]), state.config.values)
+    if args.open:
+        open_browser(url)
