@@ -2,10 +2,21 @@
 
 The loop, per request (keep-alive repeats it; ``start_next_cycle`` between):
 
-    idle ── first byte ──► head ──► access + route ──► body ──► handler ──► response
-     │ KEEPALIVE_IDLE_S     └──── READ_TIMEOUT_S (408) ────┘      │ watched   │ WRITE_TIMEOUT_S
-     └ or a queued connection needs this worker (after the first request)    per write
+    idle ── first byte ──► head ──► access + route ══► worker ──► body ──► handler ──► response
+     │ KEEPALIVE_IDLE_S     └ HEAD_TIMEOUT_S (408) ┘  queued   └ BODY_* (408) ┘ watched   │ WRITE_TIMEOUT_S
+     │ (a new connection: HEAD_TIMEOUT_S from accept)                                     per write
+     └─────────────── no worker held (admission.Seat) ───┘ └──── one worker held (admission.Workers) ────┘
 
+* Reading (``Connection.seat`` set): no worker is held. An idle connection may be closed
+  to seat a new one; one that must wait for more of a request takes one of its peer's
+  places, or is closed at once (``Crowded``) when it has none left. The whole head has
+  HEAD_TIMEOUT_S; a refusal of the access checks or the route is answered from here,
+  so a client without the key never holds a worker.
+* Served: the request waits for a worker in arrival order (closed at once when the
+  queue is full), then the body is read under a deadline that starts at BODY_GRACE_S
+  and grows with every byte at BODY_FLOOR_BYTES_PER_S, so it is at most
+  BODY_GRACE_S + length / rate and a client must keep up that rate to hold a worker
+  for longer than the grace.
 * The head is held to ``MAX_HEADER_BYTES`` (h11 says 431); anything h11 refuses is
   answered with its hint (400, or 431; a 5xx hint is sent as 400: client garbage is
   never a server error) and the connection is closed.
@@ -32,8 +43,8 @@ The pure parts (request building, response headers, the refusals) are in ``messa
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -41,6 +52,7 @@ import h11
 import trio
 
 from . import limits
+from .admission import Admission, Seat
 from .errors import HTTPError, internal_error, sole_exception
 from .messages import (
     CLOSING_STATUSES,
@@ -74,51 +86,27 @@ class PeerGone(Exception):
     """The client left, or stopped reading for longer than the write timeout."""
 
 
-class QueuePressure:
-    """Lets idle keep-alive connections give their workers to queued connections:
-    one idle connection per queued one, not every idle connection at once."""
-
-    def __init__(self, queued: Callable[[], int]) -> None:
-        self._queued = queued
-        self._claimed = 0                 # idle connections already giving way
-        self._event = trio.Event()
-
-    def notify(self) -> None:
-        """A connection was queued (or a claim was given back): idle ones look again."""
-        self._event.set()
-        self._event = trio.Event()
-
-    async def claim(self) -> None:
-        """Return once a queued connection waits that no other idle one gives way for."""
-        while True:
-            event = self._event
-            if self._queued() > self._claimed:
-                self._claimed += 1
-                return
-            await event.wait()
-
-    def release(self, *, renotify: bool = False) -> None:
-        self._claimed -= 1
-        if renotify:
-            self.notify()
+class Crowded(Exception):
+    """The peer has no place left for one more request to arrive: close at once."""
 
 
 class Connection:
     def __init__(self, app: App, stream: trio.abc.Stream, peer: Address, local: Address,
-                 pressure: QueuePressure | None = None) -> None:
+                 admission: Admission | None = None, seat: Seat | None = None, ticket: int = 0) -> None:
         self.app = app
         self.stream = stream
         self.peer = peer
         self.local = local
-        self.pressure = pressure
+        self.admission = admission        # None: no worker bound, no seats (one connection alone)
+        self.seat = seat                  # held while reading (no worker); None while served
+        self.ticket = ticket              # the request's place in the arrival order
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.MAX_HEADER_BYTES)
-        self.deadline = math.inf          # of the request being read
+        self.deadline = trio.current_time() + limits.HEAD_TIMEOUT_S   # a new connection's head
         self.served = 0                   # requests answered on this connection
         self.broken = False               # a write failed: nothing more can be sent
         self.peer_gone = False            # the reader saw the client leave
         self.overflowed = False           # pipelined bytes were dropped: close after this answer
         self.linger = False               # refused a request still arriving: drain before closing
-        self.gave_way = False             # closing to free this worker for a queued connection
         self.watch_scope: trio.CancelScope | None = None
 
     # --- the loop ------------------------------------------------------------------
@@ -136,25 +124,46 @@ class Connection:
             await self._close()
 
     async def _serve_next(self) -> bool:
-        """Serve one request; True when the connection can carry another."""
+        """Read one request's head (no worker held), then serve it; True when the
+        connection can carry another."""
         if not await self._await_request_start():
             return False
-        self.deadline = trio.current_time() + limits.READ_TIMEOUT_S
         try:
             event = await self._next_event()
         except h11.RemoteProtocolError as exc:
             return await self._refuse(None, malformed(exc))
         except trio.TooSlowError:
             return await self._refuse(None, timed_out())
+        except Crowded:
+            return False
         if not isinstance(event, h11.Request):
             return False
-        return await self._serve_request(event)
-
-    async def _serve_request(self, event: h11.Request) -> bool:
         request: Request | None = None
         try:
             request = build_request(event, self.peer, self.local)
             dispatch = self.app.dispatch(request)
+        except HTTPError as err:
+            return await self._refuse(request, err)
+        return await self._with_worker(dispatch, request)
+
+    async def _with_worker(self, dispatch: Dispatch, request: Request) -> bool:
+        """Serve a request whose head is whole, holding a worker (waiting for one in
+        arrival order); then take a reader's seat again for the next request."""
+        if self.admission is None:
+            return await self._serve_request(dispatch, request)
+        workers, readers = self.admission.workers, self.admission.readers
+        if workers.full():
+            return False                  # the queue is full: closed at once, unanswered
+        self._leave_seat()
+        async with workers.hold(self.ticket):
+            keep = await self._serve_request(dispatch, request)
+        if keep:
+            self.seat = readers.seat(self.peer[0])
+        return keep and self.seat is not None
+
+    async def _serve_request(self, dispatch: Dispatch, request: Request) -> bool:
+        self.deadline = trio.current_time() + limits.BODY_GRACE_S
+        try:
             with dispatch.hold():
                 await self._read_body(request, dispatch.body_limit)
                 return await self._answer(dispatch, request)
@@ -164,6 +173,11 @@ class Connection:
             return await self._refuse(request, malformed(exc))
         except trio.TooSlowError:
             return await self._refuse(request, timed_out())
+
+    def _leave_seat(self) -> None:
+        if self.seat is not None:
+            self.seat.leave()
+            self.seat = None
 
     def _cycle_done(self) -> bool:
         return (not self.broken and not self.overflowed and self.h11.our_state is h11.DONE
@@ -180,52 +194,36 @@ class Connection:
         return data if isinstance(data, bytes) else bytes(data)
 
     async def _await_request_start(self) -> bool:
-        """Wait, idle, for the next request's first byte; False to close instead."""
+        """Wait, idle, for the next request's first byte; False to close instead. A new
+        connection waits until its head deadline, a kept-alive one KEEPALIVE_IDLE_S;
+        either may be closed sooner to seat a new connection (``Seat.idle``)."""
         buffered, closed = self.h11.trailing_data
-        if buffered or closed:
-            return True
-        data = None
-        with trio.move_on_after(limits.KEEPALIVE_IDLE_S):
-            data = await self._receive_or_give_way()
-        if data is None:
-            return False
-        self.h11.receive_data(data)
+        if not (buffered or closed):
+            wait_until = self.deadline if not self.served else trio.current_time() + limits.KEEPALIVE_IDLE_S
+            data = None
+            with trio.CancelScope(deadline=wait_until) as scope, self._idle(scope):
+                data = await self._receive_some()
+            if data is None:
+                return False
+            self.h11.receive_data(data)
+        if self.served:                   # the next request's head: from its first byte
+            self.deadline = trio.current_time() + limits.HEAD_TIMEOUT_S
+            if self.admission is not None:
+                self.ticket = self.admission.workers.ticket()
         return True
 
-    async def _receive_or_give_way(self) -> bytes | None:
-        """The next bytes, or None when a queued connection needs this worker more.
-        A fresh connection is never given up before its first request."""
-        pressure = self.pressure
-        if pressure is None or self.served == 0:
-            return await self._receive_some()
-        got: list[bytes] = []
-        claimed = False
-        try:
-            async with trio.open_nursery() as nursery:
-                async def receive() -> None:
-                    got.append(await self._receive_some())
-                    nursery.cancel_scope.cancel()
-
-                async def give_way() -> None:
-                    nonlocal claimed
-                    await pressure.claim()
-                    claimed = True
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(receive)
-                nursery.start_soon(give_way)
-        finally:
-            if claimed and got:
-                pressure.release(renotify=True)   # a request came after all: serve it
-            self.gave_way = claimed and not got   # released once this socket is closed
-        return got[0] if got else None
+    def _idle(self, scope: trio.CancelScope) -> contextlib.AbstractContextManager[None]:
+        return self.seat.idle(scope) if self.seat is not None else contextlib.nullcontext()
 
     async def _next_event(self) -> Any:
-        """The next h11 event, reading under the request's deadline (TooSlowError)."""
+        """The next h11 event, reading under the request's deadline (TooSlowError).
+        Waiting for bytes without a worker needs a place for the peer (Crowded)."""
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
+            if self.seat is not None and not self.seat.take_place():
+                raise Crowded
             with trio.fail_at(self.deadline):
                 data = await self._receive_some()
             self.h11.receive_data(data)
@@ -236,6 +234,7 @@ class Connection:
             raise too_large(limit)
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        start = trio.current_time()
         body = bytearray()
         while not isinstance(event := await self._next_event(), h11.EndOfMessage):
             if not isinstance(event, h11.Data):
@@ -243,6 +242,7 @@ class Connection:
             body += event.data
             if len(body) > limit:
                 raise too_large(limit)
+            self.deadline = body_deadline(start, len(body))
         request.body = bytes(body)
 
     async def _drain(self, request: Request | None) -> bool:
@@ -259,7 +259,7 @@ class Connection:
                 dropped += len(getattr(event, "data", b""))
                 if dropped > limits.DISCARD_BODY_BYTES or not isinstance(event, h11.Data):
                     return False
-        except (h11.RemoteProtocolError, trio.TooSlowError):
+        except (h11.RemoteProtocolError, trio.TooSlowError, Crowded):
             return False
         return True
 
@@ -420,18 +420,19 @@ class Connection:
             pass
 
     async def _close(self) -> None:
-        if self.linger and not (self.broken or self.peer_gone):
-            await self._linger()
-        await trio.aclose_forcefully(self.stream)
-        if self.gave_way and self.pressure is not None:
-            self.pressure.release()
+        try:
+            if self.linger and not (self.broken or self.peer_gone):
+                await self._linger()
+        finally:
+            self._leave_seat()
+            await trio.aclose_forcefully(self.stream)
 
     async def _linger(self) -> None:
         """Half-close and drain what a refused client still sends, so it reads our
-        answer instead of a reset."""
+        answer instead of a reset (an idle seat meanwhile: a new connection may end it)."""
         if not isinstance(self.stream, trio.abc.HalfCloseableStream):
             return
-        with trio.move_on_after(limits.LINGER_S):
+        with trio.move_on_after(limits.LINGER_S) as scope, self._idle(scope):
             try:
                 await self.stream.send_eof()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -444,8 +445,15 @@ class Connection:
                 received += len(data)
 
 
+def body_deadline(start: float, received: int) -> float:
+    """When a body begun at ``start`` must have sent its next bytes: the grace, plus
+    what the bytes so far earn at the floor rate."""
+    return start + limits.BODY_GRACE_S + received / limits.BODY_FLOOR_BYTES_PER_S
+
+
 async def serve_connection(app: App, stream: trio.abc.Stream, *, peer: Address = ("127.0.0.1", 0),
-                           local: Address = ("127.0.0.1", 0),
-                           pressure: QueuePressure | None = None) -> None:
-    """Serve every request of one connection, then close it."""
-    await Connection(app, stream, peer, local, pressure).serve()
+                           local: Address = ("127.0.0.1", 0), admission: Admission | None = None,
+                           seat: Seat | None = None, ticket: int = 0) -> None:
+    """Serve every request of one connection, then close it. With ``admission``, the
+    connection arrives holding ``seat`` (taken at accept) and its first ``ticket``."""
+    await Connection(app, stream, peer, local, admission, seat, ticket).serve()

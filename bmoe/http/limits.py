@@ -10,10 +10,17 @@ KIB = 1024
 MIB = 1024 * KIB
 
 # Workers and the queue in front of them (see server.py's theory of operation).
-WORKERS = 32                  # connections served at once; each request holds one for its life
-ACCEPT_QUEUE = 64             # connections waiting for a worker; the next one is closed at once
-LISTEN_BACKLOG = 128          # the kernel's accept backlog, ahead of our own queue
+WORKERS = 32                  # requests served at once; each holds one from its whole head to its answer's end
+ACCEPT_QUEUE = 64             # whole requests waiting for a worker; past it a new connection is closed at once
+LISTEN_BACKLOG = 1024         # the kernel's accept backlog (capped by net.core.somaxconn): a burst of
+                              # connections must not overflow it, or the kernel drops handshakes and a
+                              # client waits a second for its retry
 ACCEPT_RETRY_S = 0.1          # pause after accept() fails for lack of file descriptors
+
+# Connections that hold no worker: waiting for a request, or for the rest of one (admission.py).
+READERS = 512                 # such connections at once; past it the oldest idle one is closed for a new one
+PEER_ARRIVING = 8             # of them, per peer address (an IPv6 /64 counts as one), left waiting for the
+                              # rest of a request head (or of a refused body); the next one is closed at once
 
 # Request size.
 BODY_LIMIT_BYTES = 8 * MIB            # default body cap of a route: 413 past it
@@ -25,9 +32,11 @@ RECV_BYTES = 64 * KIB                 # one receive_some() call
 MAX_QUERY_FIELDS = 1000               # name=value pairs in a query string: 400 past it
 
 # Time.
-READ_TIMEOUT_S = 60.0         # a request's head and body, from its first byte (slow senders: 408);
-                              # 60 s lets a 64 MiB body arrive at about 1.1 MiB/s
-KEEPALIVE_IDLE_S = 30.0       # an idle connection waiting for its next request (sooner when others queue)
+HEAD_TIMEOUT_S = 5.0          # a whole request head: from accept on a new connection, from its first
+                              # byte on a kept-alive one (408, then closed)
+BODY_GRACE_S = 10.0           # a body's deadline: this, plus what its bytes so far earn at the floor rate,
+BODY_FLOOR_BYTES_PER_S = 64 * KIB   # so at most BODY_GRACE_S + length / rate (408); 64 MiB: about 17 min
+KEEPALIVE_IDLE_S = 30.0       # an idle kept-alive connection waiting for its next request (holds no worker)
 WRITE_TIMEOUT_S = 5.0         # one write to a client; a reader that stops reading is dropped after it
 LINGER_S = 2.0                # after refusing a request whose body is still arriving: drain, then close
 LINGER_BYTES = 64 * MIB       # ... at most this much of it

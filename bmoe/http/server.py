@@ -8,17 +8,17 @@ to ``task_status.started``) and sets TCP keep-alive on them, so that accepted
 sockets inherit it (Linux clones a listener's TCP options into each connection).
 Then, in one nursery::
 
-    accept loop ──send_nowait──► memory channel (ACCEPT_QUEUE) ──► WORKERS worker tasks
-        │ channel full: close the new connection at once          │ one connection at a time,
-        └ queued: notify idle keep-alive connections to give way   │ each in its own nursery
+    accept loop ──► one task per connection (a reader's seat) ══ whole head ══► WORKERS
+        │ queue full, or no seat to be had:       │ HEAD_TIMEOUT_S          (queue of
+        └ the new connection is closed at once    └ PEER_ARRIVING per peer   ACCEPT_QUEUE)
 
-A worker owns one connection at a time (``connection.Connection``), so WORKERS is
-the number of requests in flight and each request holds a worker for its whole life.
-Connections beyond that wait in the channel, first come first served; the next one
-past ACCEPT_QUEUE is closed without a word. A keep-alive connection idle between two
-requests gives its worker up as soon as a connection is queued (one idle connection
-per queued one, ``connection.QueuePressure``); a fresh connection is not given up
-before its first request.
+Each accepted connection gets its own task (``connection.Connection``) and a seat
+among READERS (``admission.Readers``); it reads its request head without a worker,
+and only a request whose head is whole (and which passed the access checks) waits
+for one of WORKERS (``admission.Workers``), in the order requests began to arrive.
+A worker is held from there to the end of the answer; between two requests a
+kept-alive connection holds a seat, never a worker. While ACCEPT_QUEUE requests wait,
+a new connection is closed at once without a word. ``admission`` tells the whole story.
 
 ``HttpApp`` is what a connection calls: ``dispatch`` runs the access checks
 (``access.check_access``) and then the route table (static files from ``static_dir``
@@ -39,13 +39,15 @@ import errno
 import logging
 import socket as stdsocket
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import trio
 
 from . import limits
 from .access import AccessPolicy, check_access, is_api_path
-from .connection import QueuePressure, serve_connection
+from .admission import Admission
+from .connection import serve_connection
 from .errors import HTTPError, internal_error, sole_exception
 from .parent import watch_parent
 from .routes import Dispatch, RouteTable
@@ -176,22 +178,20 @@ async def serve_http(app: HttpApp, host: str, port: int, *,
     listeners = [trio.SocketListener(sock) for sock in sockets]
     app.policy.bound_host = host              # the checks follow the actual binding
     app.policy.port = sockets[0].getsockname()[1]
-    send, receive = trio.open_memory_channel[trio.SocketStream](limits.ACCEPT_QUEUE)
-    pressure = QueuePressure(lambda: send.statistics().current_buffer_used)
+    admission = Admission.from_limits()
     try:
         async with trio.open_nursery() as nursery:
-            for _ in range(limits.WORKERS):
-                nursery.start_soon(_worker, app, receive, pressure)
             for listener in listeners:
-                nursery.start_soon(_accept_loop, listener, send, pressure)
+                nursery.start_soon(_accept_loop, app, listener, admission, nursery)
             task_status.started(app.policy.port)
     finally:
-        await _close_all(listeners, receive)
-        send.close()
+        with trio.CancelScope(shield=True):
+            for listener in listeners:
+                await trio.aclose_forcefully(listener)
 
 
-async def _accept_loop(listener: trio.SocketListener, queue: trio.MemorySendChannel[trio.SocketStream],
-                       pressure: QueuePressure) -> None:
+async def _accept_loop(app: HttpApp, listener: trio.SocketListener, admission: Admission,
+                       nursery: trio.Nursery) -> None:
     while True:
         try:
             stream = await listener.accept()
@@ -202,42 +202,23 @@ async def _accept_loop(listener: trio.SocketListener, queue: trio.MemorySendChan
             await trio.sleep(limits.ACCEPT_RETRY_S)
             continue
         try:
-            queue.send_nowait(stream)
-        except trio.WouldBlock:
-            await trio.aclose_forcefully(stream)
-            continue
-        if queue.statistics().current_buffer_used:
-            pressure.notify()
-
-
-async def _worker(app: HttpApp, queue: trio.MemoryReceiveChannel[trio.SocketStream],
-                  pressure: QueuePressure) -> None:
-    async for stream in queue:
-        try:
             peer, local = _addresses(stream)
         except OSError:
             await trio.aclose_forcefully(stream)
             continue
-        await serve_connection(app, stream, peer=peer, local=local, pressure=pressure)
+        seat = None if admission.workers.full() else admission.readers.seat(peer[0])
+        if seat is None:
+            await trio.aclose_forcefully(stream)     # the queue is full, or no seat: closed at once
+            continue
+        nursery.start_soon(partial(serve_connection, app, stream, peer=peer, local=local,
+                                   admission=admission, seat=seat,
+                                   ticket=admission.workers.ticket()))
 
 
 def _addresses(stream: trio.SocketStream) -> tuple[tuple[str, int], tuple[str, int]]:
     peer = stream.socket.getpeername()
     local = stream.socket.getsockname()
     return (peer[0], peer[1]), (local[0], local[1])
-
-
-async def _close_all(listeners: list[trio.SocketListener],
-                     queue: trio.MemoryReceiveChannel[trio.SocketStream]) -> None:
-    with trio.CancelScope(shield=True):
-        for listener in listeners:
-            await trio.aclose_forcefully(listener)
-        while True:
-            try:
-                await trio.aclose_forcefully(queue.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-        queue.close()
 
 
 __all__ = ["ErrorShaper", "HttpApp", "bind_listening_sockets", "configure_listening_socket",

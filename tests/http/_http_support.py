@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,9 @@ def request_bytes(method: str, target: str, *, host: str | None = HOST,
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
 
+GET_PING_BYTES = request_bytes("GET", "/api/ping")
+
+
 # --- responses -----------------------------------------------------------------------
 
 @dataclass
@@ -323,3 +328,128 @@ def one(app: HttpApp, data: bytes, **kw: Any) -> RawResponse:
         assert response is not None
         return response
     return trio.run(main)
+
+
+# --- a slow-client attack, and what the other clients see meanwhile ---------------------
+
+SLOWLORIS = Path(__file__).resolve().parents[1] / "_slowloris.py"
+CHAT_TICK_S = 0.05                # the stand-in chat stream's token interval
+EVENTS_TICK_S = 0.1               # the stand-in event stream's interval
+
+
+def streaming_app(policy: AccessPolicy) -> HttpApp:
+    """``GET /api/info`` at once; a chat that streams forever (``POST /v1/chat/completions``)
+    and the UI's event stream (``GET /api/events``), each a tick at a steady pace."""
+    async def info(request: Request) -> Response:
+        return Response.json({"state": "ready"})
+
+    def ticking(interval: float) -> StreamResponse:
+        async def produce(send: Send) -> None:
+            i = 0
+            while True:
+                await send(sse_event("tick", {"i": i}))
+                i += 1
+                await trio.sleep(interval)
+        return sse_response(produce)
+
+    async def chat(request: Request) -> StreamResponse:
+        return ticking(CHAT_TICK_S)
+
+    async def events(request: Request) -> StreamResponse:
+        return ticking(EVENTS_TICK_S)
+
+    routes = RouteTable()
+    routes.add("GET", "/api/info", info)
+    routes.add("POST", "/v1/chat/completions", chat)
+    routes.add("GET", "/api/events", events)
+    return HttpApp(routes, policy)
+
+
+@dataclass
+class StreamWatch:
+    """When each chunk of a long response arrived, and whether it ended."""
+
+    times: list[float] = field(default_factory=list)
+    ended: bool = False
+
+    def max_gap(self, since: float) -> float:
+        times = [t for t in self.times if t >= since]
+        return max((b - a for a, b in zip(times, times[1:], strict=False)), default=math.inf)
+
+
+async def open_and_watch(nursery: trio.Nursery, host: str, port: int, data: bytes,
+                         watch: StreamWatch) -> trio.SocketStream:
+    """Send ``data`` on a new connection, wait for the first chunk, then record every
+    chunk in the background."""
+    stream = await trio.open_tcp_stream(host, port)
+    await stream.send_all(data)
+    first = await stream.receive_some(65536)
+    assert first.startswith(b"HTTP/1.1 200"), first[:200]
+
+    async def watch_chunks() -> None:
+        while await stream.receive_some(65536):
+            watch.times.append(trio.current_time())
+        watch.ended = True
+    nursery.start_soon(watch_chunks)
+    return stream
+
+
+def check_attack(report: dict[str, Any], *, tricklers: int, head_timeout: float,
+                 peer_arriving: int) -> None:
+    """What a slow-client attack (``_slowloris.py``'s report) must leave: every normal
+    request answered 200 within 1 s; the tricklers the server let wait closed with a 408
+    at the head deadline; the rest closed at once, unanswered."""
+    info = report["info"]
+    assert len(info) >= 10, info
+    slow = [(took, status) for took, status in info if status != 200 or took >= 1.0]
+    assert not slow, f"normal requests slow or refused during the attack: {slow} of {len(info)}"
+    closed = [t for t in report["tricklers"] if t[1] is not None]
+    timed_out = [t for t in closed if t[2] == 408]
+    at_once = [t for t in closed if t[2] is None]
+    assert len(timed_out) + len(at_once) == len(closed), closed
+    assert timed_out, "no trickler reached the head deadline"
+    for opened, closed_at, _ in timed_out:
+        assert head_timeout - 0.1 <= closed_at - opened <= head_timeout + 1.0, (opened, closed_at)
+    for opened, closed_at, _ in at_once:
+        assert closed_at - opened < 1.0, (opened, closed_at)
+    if tricklers > peer_arriving:
+        assert at_once, "the tricklers past the peer's places were not closed"
+    assert len(report["tricklers"]) >= tricklers
+    old = [t for t in report["tricklers"] if t[0] < report["seconds"] - head_timeout - 1.0]
+    assert old and all(t[1] is not None for t in old), "a trickler outlived the head deadline"
+
+
+ATTACK_HEAD_TIMEOUT_S = 2.0      # the head deadline the HTTP tests patch in: attacks run briefly
+ATTACK_S = ATTACK_HEAD_TIMEOUT_S + 2.5
+
+
+async def attack(host: str, port: int, tricklers: int, *, prefix: tuple[str, ...] = (),
+                 key: str | None = None) -> tuple[dict[str, Any], StreamWatch, StreamWatch, float]:
+    """Open a chat stream and an event stream, run the slowloris script (after
+    ``prefix``: ``ip netns exec NS``), and return its report, both watches and when the
+    attack began."""
+    chat, events = StreamWatch(), StreamWatch()
+    headers = [("Authorization", f"Bearer {key}")] if key else []
+    at = f"{host}:{port}"
+    async with trio.open_nursery() as nursery:
+        streams = [await open_and_watch(nursery, host, port, request_bytes(
+            "POST", "/v1/chat/completions", host=at, json_body={"stream": True}, headers=headers), chat),
+            await open_and_watch(nursery, host, port, request_bytes(
+                "GET", "/api/events", host=at, headers=headers), events)]
+        began = trio.current_time()
+        command = [*prefix, sys.executable, str(SLOWLORIS), host, str(port),
+                   "--tricklers", str(tricklers), "--seconds", str(ATTACK_S)]
+        if key:
+            command += ["--key", key]
+        result = await trio.run_process(command, capture_stdout=True)
+        nursery.cancel_scope.cancel()
+    for stream in streams:
+        await stream.aclose()
+    return json.loads(result.stdout), chat, events, began
+
+
+def check_streams(chat: StreamWatch, events: StreamWatch, began: float) -> None:
+    assert not chat.ended and not events.ended
+    assert chat.max_gap(began) < 1.0, "the chat stream stalled during the attack"
+    assert events.max_gap(began) < 1.0, "the event stream stalled during the attack"
+    assert chat.times[-1] - began > ATTACK_S - 1.0 and events.times[-1] - began > ATTACK_S - 1.0

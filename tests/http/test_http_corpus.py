@@ -326,7 +326,8 @@ def test_corpus_is_large_enough() -> None:
 
 def test_adversarial_corpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(limits, "READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(limits, "HEAD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(limits, "BODY_GRACE_S", 0.3)
     monkeypatch.setattr(limits, "KEEPALIVE_IDLE_S", 0.3)
     monkeypatch.setattr(limits, "LINGER_S", 0.3)
     (tmp_path / "index.html").write_text("<!doctype html>")

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+from _http_support import ATTACK_HEAD_TIMEOUT_S, attack, check_attack, check_streams, streaming_app
 
+from bmoe.http import limits
 from bmoe.http.access import AccessPolicy
 from bmoe.http.routes import RouteTable
 from bmoe.http.server import HttpApp, serve_http
@@ -128,3 +130,25 @@ def test_network_peer(namespace: str) -> None:
     assert trio.run(main) == [[401, "unauthorized"], [200, "ok"], [200, "ok"], [200, "ok"],
                               [403, "local_only"], [403, "local_only"], [403, "local_only"],
                               [403, "local_only"]]
+
+
+@pytest.mark.parametrize("tricklers", [40, 200])
+def test_tricklers_from_a_network_peer_hold_no_worker(namespace: str, tricklers: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tricklers and the normal client share the namespace's address; the chat and the
+    event stream come from the host side."""
+    monkeypatch.setattr(limits, "HEAD_TIMEOUT_S", ATTACK_HEAD_TIMEOUT_S)
+    app = streaming_app(AccessPolicy(HOST_IP, api_key=KEY))
+
+    async def main() -> tuple[dict[str, object], object, object, float]:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, app, HOST_IP, 0)
+            outcome = await attack(HOST_IP, port, tricklers, key=KEY,
+                                   prefix=("ip", "netns", "exec", namespace))
+            nursery.cancel_scope.cancel()
+        return outcome
+
+    report, chat, events, began = trio.run(main)
+    check_attack(report, tricklers=tricklers, head_timeout=ATTACK_HEAD_TIMEOUT_S,
+                 peer_arriving=limits.PEER_ARRIVING)
+    check_streams(chat, events, began)
