@@ -10,6 +10,7 @@ import json
 import os
 import plistlib
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -18,9 +19,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import trio
 
 from bmoe.server import main as server_main
-from bmoe.service import NAME, args, cli, logtee, units
+from bmoe.service import NAME, args, cli, logtee, stopping, units
 
 TRICKY = ["--scan-dir", "/srv/my models/100% \"best\"", "--allow-origin", "http://x:1/$HOME",
           "--model", "C:\\models\\a b\\m.gguf", "--temp", "0.7", "--no-think", "back\\slash\\"]
@@ -533,3 +535,60 @@ def test_unwritable_log_file_refuses_with_a_sentence(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         logtee.check_writable(blocker / "sub" / "server.log")
     assert str(exc.value).startswith("bmoe-server: cannot write the log file")
+
+
+# --- signals --------------------------------------------------------------------------------
+
+class _Line:
+    def __init__(self, busy: bool) -> None:
+        self.busy, self.waiting = busy, 0
+
+
+class _State:
+    def __init__(self, busy: bool) -> None:
+        self.turns = _Line(busy)
+        self.cancels = 0
+
+    def cancel_current(self) -> bool:
+        self.cancels += 1
+        return True
+
+
+def _signal_run(state: _State, monkeypatch: pytest.MonkeyPatch, *, second: bool) -> tuple[list[int], bool]:
+    exits: list[int] = []
+    monkeypatch.setattr(stopping.os, "_exit", exits.append)
+    scope = trio.CancelScope()
+    stopped: list[bool] = []
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stopping.watch_signals, state, scope)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await trio.sleep(0.5)
+            if second:
+                assert exits == [] and not scope.cancel_called
+                os.kill(os.getpid(), signal.SIGTERM)
+                await trio.sleep(0.5)
+            stopped.append(scope.cancel_called)
+            nursery.cancel_scope.cancel()
+
+    trio.run(run)
+    return exits, stopped[0]
+
+
+def test_first_signal_cancels_the_answer_then_stops(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    state = _State(busy=False)
+    exits, stopped = _signal_run(state, monkeypatch, second=False)
+    assert stopped and exits == []
+    assert capsys.readouterr().err.count("stopping on SIGTERM") == 1
+
+
+def test_second_signal_ends_at_once(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """An answer that will not end holds the first stop; the second signal does not wait."""
+    state = _State(busy=True)
+    exits, stopped = _signal_run(state, monkeypatch, second=True)
+    assert state.cancels >= 2                    # the running answer is cancelled, again and again
+    assert exits == [128 + signal.SIGTERM] and not stopped
+    assert "a second SIGTERM: stopping at once" in capsys.readouterr().err

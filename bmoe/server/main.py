@@ -147,13 +147,16 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.AccessPolicy,
                 args: argparse.Namespace) -> None:
-    from ..service.autoload import AutoloadState
+    from ..service.autoload import AutoloadState, with_autoload
     from ..service.stopping import watch_signals
     config = ConfigStore(options.data_dir, launch)
     bus = EventBus()
     kind = AutoloadState if args.autoload else ServerState
     state = kind(options, config, bus, streamer_factory=streamer_factory)
-    app = HttpApp(build_routes(state), policy, assets_dir(), error_shaper=error_shaper)
+    routes = build_routes(state)
+    if isinstance(state, AutoloadState):
+        routes = with_autoload(routes, state)   # a request that finds no model loads it
+    app = HttpApp(routes, policy, assets_dir(), error_shaper=error_shaper)
     running = trio.CancelScope()
     async with trio.open_nursery() as outer:
         await outer.start(watch_signals, state, running)   # SIGTERM / SIGINT: a clean stop

@@ -2,10 +2,15 @@
 request finds none loaded; the request waits for that load, as a request that arrives
 during a load already does.
 
-``AutoloadState`` is the server's ``ServerState`` with that one difference in
-``require_session``. Loads stay serialised by the state's own load lock, and
-``begin_load`` marks the state ``loading`` before it returns, so two requests that
-find nothing loaded start one load and both wait for it.
+``AutoloadState`` is the server's ``ServerState`` with ``wake``: a request that needs
+the model and finds none loaded or loading starts the load of the saved model (or is
+refused with 503 ``no_model`` and a message that says to choose one). ``with_autoload``
+calls it before each route that runs the model (``MODEL_ROUTES``), ahead of the
+adapters' own "no model" check, which then finds a load under way and waits for it;
+``require_session`` does the same for a caller that goes there first. Loads stay
+serialised by the state's own load lock, and ``begin_load`` marks the state ``loading``
+before it returns, so two requests that find nothing loaded start one load and both
+wait for it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Any
 
 from ..engine.session import Session
 from ..http.errors import HTTPError
+from ..http.routes import RouteTable
+from ..http.types import Handler, Request
 from ..server.state import ServerState
 
 NO_MODEL_SELECTED = ("No model is selected yet: choose one on the Models page (or POST "
@@ -30,11 +37,42 @@ class AutoloadState(ServerState):
             self.bus.log("info", "autoload: no model is selected yet; choose one and it "
                          "loads at every start")
 
+    def wake(self) -> None:
+        """A request needs the model: start loading the saved one unless one is there."""
+        if self.state == "loading" or (self.session is not None and self.state == "ready"):
+            return
+        model: Any = self.config.values.get("model")
+        if not model:
+            raise HTTPError(503, "no_model", NO_MODEL_SELECTED)
+        self.bus.log("info", f"autoload: a request found no model loaded; loading {model}")
+        self.begin_load(str(model), self.config.values)
+
     async def require_session(self) -> Session:
-        if self.state != "loading" and (self.session is None or self.state != "ready"):
-            model: Any = self.config.values.get("model")
-            if not model:
-                raise HTTPError(503, "no_model", NO_MODEL_SELECTED)
-            self.bus.log("info", f"autoload: a request found no model loaded; loading {model}")
-            self.begin_load(str(model), self.config.values)
+        self.wake()
         return await super().require_session()
+
+
+# The routes that run the model: a request to one of them wakes the autoload.
+MODEL_ROUTES = frozenset({
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/api/decide"),
+})
+
+
+def with_autoload(table: RouteTable, state: AutoloadState) -> RouteTable:
+    """The same routes, each of ``MODEL_ROUTES`` waking the autoload first."""
+    out = RouteTable()
+    for r in table:
+        handler = r.handler
+        if (r.method, r.pattern.text) in MODEL_ROUTES:
+            handler = _waking(handler, state)
+        out.add(r.method, r.pattern.text, handler, body_limit=r.body_limit,
+                limiter=r.limiter, limiter_error=r.limiter_error)
+    return out
+
+
+def _waking(handler: Handler, state: AutoloadState) -> Handler:
+    async def wake_then(request: Request) -> Any:
+        state.wake()
+        return await handler(request)
+    return wake_then
