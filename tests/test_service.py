@@ -592,3 +592,16 @@ def test_second_signal_ends_at_once(monkeypatch: pytest.MonkeyPatch,
     assert state.cancels >= 2                    # the running answer is cancelled, again and again
     assert exits == [128 + signal.SIGTERM] and not stopped
     assert "a second SIGTERM: stopping at once" in capsys.readouterr().err
+
+
+def test_log_not_doubled_when_stderr_is_the_log_itself(tmp_path: Path) -> None:
+    """Under launchd the server's stderr is the log file: the tee does not echo into it."""
+    log = tmp_path / "server.log"
+    with open(log, "ab") as err:
+        tee = subprocess.Popen([sys.executable, "-m", "bmoe.service.logtee", str(log)],
+                               stdin=subprocess.PIPE, stderr=err)
+    assert tee.stdin is not None
+    tee.stdin.write(b"one\ntwo\n")
+    tee.stdin.close()
+    assert tee.wait(60) == 0
+    assert [_stamped(x) for x in log.read_text().splitlines()] == ["one", "two"]

@@ -6,7 +6,8 @@ The server's file descriptor 2 becomes a pipe to a small child process, this mod
 run as ``python -m bmoe.service.logtee PATH``. So the server's own lines, Python's
 warnings and tracebacks, and whatever llama.cpp writes to fd 2 all arrive in one pipe,
 in the order written. The child echoes what it reads to its own stderr (the server's
-original one: a terminal, or the init system's journal) and appends each line to PATH
+original one: a terminal, or the init system's journal; not when that is PATH itself,
+as under launchd) and appends each line to PATH
 with a timestamp, one ``os.write`` per line on an ``O_APPEND`` descriptor: nothing waits
 in a buffer of ours.
 
@@ -128,12 +129,21 @@ def start(path: Path) -> subprocess.Popen[bytes]:
     return child
 
 
+def _same_file(a: int, b: int) -> bool:
+    """Whether two descriptors are one file (launchd sends stderr to the log file too)."""
+    try:
+        x, y = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
 def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     log = LogFile(Path(argv[0]))
     try:
-        copy(0, 2, log)
+        copy(0, None if _same_file(2, log.fd) else 2, log)
     finally:
         log.close()
     return 0
