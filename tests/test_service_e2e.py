@@ -1,6 +1,7 @@
 """What a service needs of a running bmoe-server, against real processes: --autoload
 (after an unload, after a restart), --log-file, a clean stop on SIGTERM during a
-streaming answer, and settings that survive kill -9 in the middle of writes.
+streaming answer, settings that survive kill -9 in the middle of writes, and the
+command a service registers, run as the init system would run it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from bmoe.service import NAME, cli, units
 from tests._e2e_support import JSON_TYPE, Conn, port_of, request_bytes, wait_for
 from tests.conftest import ServerProcess, start_server
+from tests.test_service import _tools, home  # noqa: F401 - the fixture, by name
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
 
@@ -208,3 +213,36 @@ def test_kill_9_server_during_settings_puts(tmp_path: Path) -> None:
     assert answered[-1] <= seed <= answered[-1] + 1
     # the log keeps every line the killed server wrote
     wait_for(lambda: "listening on" in log.read_text(), 10, "the log's lines")
+
+
+def test_the_registered_command_serves(tmp_path: Path, home: Path, tiny_moe: Path,
+                                       monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Install (through the stand-in), then run the unit's ExecStart= as systemd would."""
+    _tools(tmp_path, monkeypatch, ["systemctl", "loginctl"])
+    data = home / "data"
+    monkeypatch.chdir(tiny_moe.parent)
+    assert cli.main(["install", "--data-dir", str(data), "--host", "0.0.0.0", "--port", "0",
+                     "--threads", "1", "-c", "2048", "-m", tiny_moe.name, "--open"]) == 0
+    key = (data / "api-key").read_text().strip()
+    assert f"key:     {key}" in capsys.readouterr().out
+    unit = (home / ".config" / "systemd" / "user" / f"{NAME}.service").read_text()
+    cmd = units.systemd_command(unit)
+    workdir = next(line.split("=", 1)[1] for line in unit.splitlines()
+                   if line.startswith("WorkingDirectory="))
+    monkeypatch.undo()                                  # the real PATH and HOME again
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    srv = ServerProcess(proc, line.split("listening on", 1)[1].strip(), data)
+    try:
+        assert srv.request("GET", "/api/info")[0] == 401       # beyond loopback: the key
+        srv.key = key
+        info = srv.wait_state("ready", "error")
+        assert info["state"] == "ready" and info["model"]["name"] == tiny_moe.name
+    finally:
+        assert _stop(srv) == 0
+    log = (data / "bmoe-server.log").read_text()
+    assert "bmoe: loaded tiny-moe.gguf" in log and "stopping on SIGTERM" in log
