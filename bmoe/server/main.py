@@ -81,7 +81,8 @@ def read_key(args: argparse.Namespace) -> str | None:
         try:
             key = args.api_key_file.read_text(encoding="utf-8").strip()
         except OSError as e:
-            raise SystemExit(f"bmoe-server: cannot read the key file {args.api_key_file}: {e}") from None
+            raise SystemExit(f"bmoe-server: cannot read the key file {args.api_key_file}: "
+                             f"{e.strerror or 'it could not be read'}.") from None
         if not key:
             raise SystemExit(f"bmoe-server: the key file {args.api_key_file} is empty.")
         return key
