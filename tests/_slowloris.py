@@ -5,14 +5,15 @@ machine, or inside a network namespace with ``ip netns exec``).
 
 ``N`` connections each send a request head one byte per ``--interval`` seconds and never
 finish it; one that the server closes is opened again after an interval (an attacker
-simply reconnects). Meanwhile a normal client sends ``GET /api/info`` on a fresh
-connection every 0.1 s. Prints one JSON object:
+simply reconnects). Meanwhile a normal client, a process of its own, sends
+``GET /api/info`` on a fresh connection every 0.1 s. Prints one JSON object:
 
     {"seconds": S, "info": [[seconds_taken, status], ...],
      "tricklers": [[opened_at, closed_at or null, first_answer_status or null], ...]}
 
 Times are seconds since the script began; ``closed_at`` is when the server closed (end of
-file or a reset), ``null`` when it was still open at the end.
+file or a reset), ``null`` when it was still open at the end. ``check_attack`` is what
+the tests ask of such a report.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import argparse
 import json
 import selectors
 import socket
-import threading
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 HEAD = "GET /api/info HTTP/1.1\r\nHost: {host}\r\nUser-Agent: slowloris\r\nX-Pad: " + "a" * 4000
 
@@ -112,6 +115,31 @@ def trickle(host: str, port: int, count: int, seconds: float, interval: float,
     return done + live
 
 
+def check_attack(report: dict[str, Any], *, tricklers: int, head_timeout: float,
+                 peer_arriving: int) -> None:
+    """What a slow-client attack (``_slowloris.py``'s report) must leave: every normal
+    request answered 200 within 1 s; the tricklers the server let wait closed with a 408
+    at the head deadline; the rest closed at once, unanswered."""
+    info = report["info"]
+    assert len(info) >= 10, info
+    slow = [(took, status) for took, status in info if status != 200 or took >= 1.0]
+    assert not slow, f"normal requests slow or refused during the attack: {slow} of {len(info)}"
+    closed = [t for t in report["tricklers"] if t[1] is not None]
+    timed_out = [t for t in closed if t[2] == 408]
+    at_once = [t for t in closed if t[2] is None]
+    assert len(timed_out) + len(at_once) == len(closed), closed
+    assert timed_out, "no trickler reached the head deadline"
+    for opened, closed_at, _ in timed_out:
+        assert head_timeout - 0.1 <= closed_at - opened <= head_timeout + 1.0, (opened, closed_at)
+    for opened, closed_at, _ in at_once:
+        assert closed_at - opened < 1.0, (opened, closed_at)
+    if tricklers > peer_arriving:
+        assert at_once, "the tricklers past the peer's places were not closed"
+    assert len(report["tricklers"]) >= tricklers
+    old = [t for t in report["tricklers"] if t[0] < report["seconds"] - head_timeout - 1.0]
+    assert old and all(t[1] is not None for t in old), "a trickler outlived the head deadline"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("host")
@@ -120,15 +148,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--key")
+    parser.add_argument("--client-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     start = time.monotonic()
-    info: list[list[float]] = []
-    client = threading.Thread(target=normal_client, daemon=True, args=(
-        args.host, args.port, args.key, start + args.seconds, info))
-    client.start()
+    if args.client_only:
+        info: list[list[float]] = []
+        normal_client(args.host, args.port, args.key, start + args.seconds, info)
+        print(json.dumps(info))
+        return
+    # The normal client is a process of its own, so the attacker's loop cannot slow it.
+    client = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--client-only"],
+                              stdout=subprocess.PIPE, text=True)
     tricklers = trickle(args.host, args.port, args.tricklers, args.seconds, args.interval, start)
-    client.join()
-    print(json.dumps({"seconds": args.seconds, "info": info, "tricklers": [
+    out, _ = client.communicate()
+    print(json.dumps({"seconds": args.seconds, "info": json.loads(out), "tricklers": [
         [round(t.opened, 4), None if t.closed is None else round(t.closed, 4), t.status()]
         for t in tricklers]}))
 

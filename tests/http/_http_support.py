@@ -12,6 +12,8 @@ from typing import Any
 import trio
 import trio.testing
 
+from _slowloris import check_attack  # noqa: F401 (shared with the tests of this folder)
+
 from bmoe.http.access import AccessPolicy
 from bmoe.http.connection import serve_connection
 from bmoe.http.errors import HTTPError, invalid_request
@@ -392,31 +394,6 @@ async def open_and_watch(nursery: trio.Nursery, host: str, port: int, data: byte
         watch.ended = True
     nursery.start_soon(watch_chunks)
     return stream
-
-
-def check_attack(report: dict[str, Any], *, tricklers: int, head_timeout: float,
-                 peer_arriving: int) -> None:
-    """What a slow-client attack (``_slowloris.py``'s report) must leave: every normal
-    request answered 200 within 1 s; the tricklers the server let wait closed with a 408
-    at the head deadline; the rest closed at once, unanswered."""
-    info = report["info"]
-    assert len(info) >= 10, info
-    slow = [(took, status) for took, status in info if status != 200 or took >= 1.0]
-    assert not slow, f"normal requests slow or refused during the attack: {slow} of {len(info)}"
-    closed = [t for t in report["tricklers"] if t[1] is not None]
-    timed_out = [t for t in closed if t[2] == 408]
-    at_once = [t for t in closed if t[2] is None]
-    assert len(timed_out) + len(at_once) == len(closed), closed
-    assert timed_out, "no trickler reached the head deadline"
-    for opened, closed_at, _ in timed_out:
-        assert head_timeout - 0.1 <= closed_at - opened <= head_timeout + 1.0, (opened, closed_at)
-    for opened, closed_at, _ in at_once:
-        assert closed_at - opened < 1.0, (opened, closed_at)
-    if tricklers > peer_arriving:
-        assert at_once, "the tricklers past the peer's places were not closed"
-    assert len(report["tricklers"]) >= tricklers
-    old = [t for t in report["tricklers"] if t[0] < report["seconds"] - head_timeout - 1.0]
-    assert old and all(t[1] is not None for t in old), "a trickler outlived the head deadline"
 
 
 ATTACK_HEAD_TIMEOUT_S = 2.0      # the head deadline the HTTP tests patch in: attacks run briefly
