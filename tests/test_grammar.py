@@ -470,7 +470,7 @@ def test_tool_grammar_refusals() -> None:
     with pytest.raises(ValueError, match="framing"):
         tool_call_grammar("mistral", TOOLS, allow_reasoning=False)
     bad = {"type": "function", "function": {"name": "b", "parameters": True}}
-    with pytest.raises(ValueError, match=r"'b'.*boolean"):
+    with pytest.raises(ValueError, match=r"tools\[0\] \(b\)\.parameters: .*boolean"):
         tool_call_grammar("hermes", [bad], allow_reasoning=False)
 
 

@@ -20,6 +20,8 @@ message meant for the person who sent the schema.
 from __future__ import annotations
 
 import copy
+import logging
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -37,6 +39,7 @@ from .chatparse import (
     THINK_OPEN,
     schema_types,
 )
+from .grammar_guard import GrammarRefused, check_grammar
 
 # llama.cpp's json-schema-to-grammar.cpp rules (the port's differ, see above).
 JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
@@ -45,12 +48,25 @@ SPACE_RULE = r'| " " | "\n"{1,2} [ \t]{0,20}'
 # Between the end of reasoning and a call, and between calls: at most a few blanks.
 GAP_RULE = r'[ \t\n]{0,4}'
 
+log = logging.getLogger("bmoe.grammar")
+
+# The largest count a grammar spells out exactly (maxLength, maxItems, a pattern's {m,n},
+# ...). The converter writes a bound n as n nested optional groups, which llama.cpp
+# parses recursively; above this a bound is relaxed to unbounded (`*` / `+`), one warning
+# each. Measured in bench/grammar_limits.py: at this count a grammar builds and samples in
+# a few milliseconds and sits far below the depth that overflowed a thread's stack.
+MAX_EXACT_COUNT = 500
+_BOUND_PAIRS = (("minLength", "maxLength"), ("minItems", "maxItems"),
+                ("minProperties", "maxProperties"))
+
 ANY_VALUE: dict[str, Any] = {"type": ["object", "array", "string", "number", "boolean", "null"]}
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not")
+# Keywords whose values are data, not subschemas: a "$ref" inside them is not a reference.
+_NOT_SCHEMAS = frozenset({"const", "enum", "default", "examples", "$ref"})
 _STRUCTURAL = ("$ref", "anyOf", "oneOf", "allOf", "const", "enum", "properties",
                "items", "prefixItems", "pattern")
 
@@ -59,7 +75,7 @@ _STRUCTURAL = ("$ref", "anyOf", "oneOf", "allOf", "const", "enum", "properties",
 # Schema validation
 
 
-def normalize_schema(value: object) -> dict[str, Any]:
+def normalize_schema(value: object, where: str = "schema") -> dict[str, Any]:
     """The schema to constrain an answer with, or ValueError saying what is wrong.
 
     ``None`` and ``{}`` mean any JSON object. A schema must be a JSON object: a
@@ -69,14 +85,15 @@ def normalize_schema(value: object) -> dict[str, Any]:
     if value is None:
         return dict(JSON_OBJECT_SCHEMA)
     if isinstance(value, bool):
-        raise ValueError("A boolean JSON schema is not supported; "
+        raise ValueError(f"{where}: a boolean JSON schema is not supported; "
                          'send a JSON object such as {"type": "object"}.')
     if not isinstance(value, dict):
-        raise ValueError(f"A JSON schema must be a JSON object, not {_json_kind(value)}.")
+        raise ValueError(f"{where}: a JSON schema must be a JSON object, not "
+                         f"{_json_kind(value)}.")
     if not value:
         return dict(JSON_OBJECT_SCHEMA)
-    schema = _prepare(copy.deepcopy(value), "schema")
-    _schema_grammar(schema)
+    schema = _prepare(copy.deepcopy(value), where)
+    _schema_grammar(schema, where=where)
     return schema
 
 
@@ -104,9 +121,82 @@ def _prepare(schema: Any, where: str) -> dict[str, Any]:
     for key in _SUBSCHEMA_ONE:
         if key in schema and not isinstance(schema[key], bool):
             schema[key] = _prepare(schema[key], f"{where}.{key}")
+    _relax_bounds(schema, where)
     if _is_untyped(schema):
         schema.update(ANY_VALUE)
     return schema
+
+
+def _relax_bounds(schema: dict[str, Any], where: str) -> None:
+    """Counts above MAX_EXACT_COUNT become unbounded (a maximum dropped, a minimum
+    made 1); malformed counts are dropped (a schema validator would refuse them; a
+    grammar cannot use them)."""
+    for low_key, high_key in _BOUND_PAIRS:
+        for key in (low_key, high_key):
+            value = schema.get(key)
+            if key in schema and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+                log.warning("%s.%s is not a count (%r): ignored by the grammar",
+                            where, key, value)
+                del schema[key]
+        low, high = schema.get(low_key), schema.get(high_key)
+        if high is not None and high > MAX_EXACT_COUNT:
+            log.warning("%s.%s = %d is above the %d a grammar spells out: the output is "
+                        "not held to it", where, high_key, high, MAX_EXACT_COUNT)
+            del schema[high_key]
+        if low is not None and low > MAX_EXACT_COUNT:
+            log.warning("%s.%s = %d is above the %d a grammar spells out: relaxed to 1",
+                        where, low_key, low, MAX_EXACT_COUNT)
+            schema[low_key] = 1
+        if low_key in schema and high_key in schema and schema[low_key] > schema[high_key]:
+            log.warning("%s: %s is above %s: the maximum is ignored", where, low_key,
+                        high_key)
+            del schema[high_key]
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        relaxed = relax_pattern(pattern)
+        if relaxed != pattern:
+            log.warning("%s.pattern repeats more than %d times: relaxed to %r", where,
+                        MAX_EXACT_COUNT, relaxed)
+            schema["pattern"] = relaxed
+
+
+_QUANTIFIER = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def relax_pattern(pattern: str) -> str:
+    """``pattern`` with each ``{m,n}`` whose counts exceed MAX_EXACT_COUNT relaxed:
+    ``{m,}`` when only the maximum is too large, ``+`` (or ``*`` for m = 0) when the
+    minimum is. Escapes and character classes are left as they are."""
+    out, i, n, in_class = [], 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "{" and (m := _QUANTIFIER.match(pattern, i)):
+            out.append(_relaxed_quantifier(int(m.group(1)), m.group(2), m.group(3)))
+            i = m.end()
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _relaxed_quantifier(low: int, comma: str | None, high_text: str | None) -> str:
+    high = low if comma is None else (int(high_text) if high_text else None)
+    if low > MAX_EXACT_COUNT:
+        return "+" if low > 0 else "*"
+    if high is not None and high > MAX_EXACT_COUNT:
+        return f"{{{low},}}"
+    if comma is None:
+        return f"{{{low}}}"
+    return f"{{{low},{'' if high is None else high}}}"
 
 
 def _is_untyped(schema: dict[str, Any]) -> bool:
@@ -131,6 +221,52 @@ class _Converter(SchemaConverter):
         super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         self._rules["space"] = SPACE_RULE
 
+    def resolve_refs(self, schema: dict[str, Any], url: str) -> dict[str, Any]:
+        """Record every local ``$ref``'s target under its whole address.
+
+        The port skips the siblings of a ``$ref`` (so a root ``{"$ref", "$defs"}`` leaves
+        the references inside ``$defs`` unresolved) and fetches remote ones; here every
+        subschema is visited, a reference may point anywhere in the document (``#`` is
+        the root: a recursive schema), and only local references are accepted.
+        """
+        def visit(node: Any) -> None:
+            if isinstance(node, list):
+                for item in node:
+                    visit(item)
+                return
+            if not isinstance(node, dict):
+                return
+            if "$ref" in node:
+                node["$ref"] = self._record_ref(schema, node["$ref"], url)
+            for key, value in node.items():
+                if key not in _NOT_SCHEMAS:
+                    visit(value)
+        visit(schema)
+        return schema
+
+    def _record_ref(self, root: dict[str, Any], ref: Any, url: str) -> str:
+        if isinstance(ref, str) and ref.startswith(url + "#"):
+            return ref
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise ValueError(f"only references within the schema (\"#/...\") are supported, "
+                             f"not {str(ref)[:80]!r}")
+        full = url + ref
+        if full not in self._refs:
+            target: Any = root
+            for part in ref[1:].split("/")[1:]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                if isinstance(target, dict) and part in target:
+                    target = target[part]
+                elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                    target = target[int(part)]
+                else:
+                    raise ValueError(f"the reference {ref[:80]!r} points at nothing in the "
+                                     "schema")
+            if not isinstance(target, dict):
+                raise ValueError(f"the reference {ref[:80]!r} does not point at a schema object")
+            self._refs[full] = target
+        return full
+
     def _resolve_ref(self, ref: str) -> str:
         name = INVALID_RULE_CHARS_RE.sub("-", "ref-" + ref)
         if name not in self._rules and ref not in self._refs_being_resolved:
@@ -147,52 +283,65 @@ class _Converter(SchemaConverter):
 
 
 @contextmanager
-def _explained() -> Iterator[None]:
-    """The port reports an unsupported schema with asserts and KeyErrors."""
+def _explained(where: str = "schema") -> Iterator[None]:
+    """The port reports an unsupported schema with asserts and KeyErrors: say it plainly."""
     try:
         yield
-    except ValueError as e:
-        raise ValueError(f"This JSON schema cannot be turned into a grammar: {e}") from e
-    except (AssertionError, KeyError, TypeError, AttributeError, IndexError,
-            RecursionError) as e:
-        raise ValueError(f"This JSON schema cannot be turned into a grammar: {e!r}") from e
+    except GrammarRefused as e:
+        raise GrammarRefused(f"{where}: {e}") from None
+    except (ValueError, AssertionError) as e:
+        reason = str(e).strip() or "a construct the grammar converter does not support"
+        raise ValueError(f"{where} cannot be turned into a grammar: {reason}") from None
+    except RecursionError:
+        raise ValueError(f"{where} cannot be turned into a grammar: it nests too deeply."
+                         ) from None
+    except (KeyError, TypeError, AttributeError, IndexError):
+        raise ValueError(f"{where} cannot be turned into a grammar: it uses a construct "
+                         "the grammar converter does not support (check its $ref "
+                         "targets and keyword values).") from None
 
 
-def _format(conv: SchemaConverter) -> str:
+def _format(conv: SchemaConverter, where: str = "the grammar") -> str:
+    """The converter's rules as GBNF text, checked by the guard before llama.cpp sees it."""
     rules = conv._rules
     rules["space"] = SPACE_RULE
     if "char" in rules:
         rules["char"] = JSON_CHAR_RULE
     if "dot" in rules:
         rules["dot"] = JSON_DOT_RULE
-    grammar: str = conv.format_grammar()
-    return grammar + "\n"
+    grammar: str = conv.format_grammar() + "\n"
+    try:
+        check_grammar(grammar)
+    except GrammarRefused as e:
+        raise GrammarRefused(f"{where}: {e}") from None
+    return grammar
 
 
 def _schema_grammar(schema: dict[str, Any], allow_reasoning: bool = False,
-                    starts_in_reasoning: bool = False) -> str:
+                    starts_in_reasoning: bool = False, where: str = "schema") -> str:
     conv = _Converter()
-    with _explained():
+    with _explained(where):
         schema = conv.resolve_refs(copy.deepcopy(schema), "input")
         if not (allow_reasoning or starts_in_reasoning):
             conv.visit(schema, "")
-            return _format(conv)
+            return _format(conv, where)
         answer = conv.visit(schema, "answer")
     prefix = _reasoning_prefix(conv._rules, allow_reasoning, starts_in_reasoning)
     conv._rules["root"] = prefix + answer
     conv._rules["bmoe-gap"] = GAP_RULE
-    return _format(conv)
+    return _format(conv, where)
 
 
 def json_schema_grammar(schema: dict[str, Any], *, allow_reasoning: bool = False,
-                        starts_in_reasoning: bool = False) -> str:
+                        starts_in_reasoning: bool = False, where: str = "schema") -> str:
     """A grammar whose sentences are JSON texts matching ``schema``.
 
     With ``allow_reasoning`` a reasoning span may come first; with
     ``starts_in_reasoning`` the prompt left ``<think>`` open and the output must close
     it before the answer (at once, when reasoning is not allowed).
     """
-    return _schema_grammar(normalize_schema(schema), allow_reasoning, starts_in_reasoning)
+    return _schema_grammar(normalize_schema(schema, where), allow_reasoning,
+                           starts_in_reasoning, where)
 
 
 def json_object_grammar(*, allow_reasoning: bool = False,
@@ -269,18 +418,14 @@ def _next_state(text: str, literals: Sequence[str], states: dict[str, str]) -> s
 def function_tools(tools: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """(name, normalized parameters schema) for each function tool, in order."""
     out = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ValueError("Each tool must be a function with a name.")
         params = fn.get("parameters")
         if params is None or params == {}:
             params = {"type": "object", "properties": {}}
-        try:
-            schema = normalize_schema(params)
-        except ValueError as e:
-            raise ValueError(f"Tool {fn['name']!r}: {e}") from e
-        out.append((fn["name"], schema))
+        out.append((fn["name"], normalize_schema(params, tool_where(i, fn["name"]))))
     if not out:
         raise ValueError("A required tool call needs at least one function tool.")
     return out
@@ -309,7 +454,12 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     rules["bmoe-gap"] = GAP_RULE
     rules["bmoe-call"] = f'{gbnf_literal(CALL_OPEN + chr(10))} ( {" | ".join(bodies)} ) ' \
                          f'{gbnf_literal(CALL_CLOSE)}'
-    return _format(conv)
+    return _format(conv, "tools")
+
+
+def tool_where(index: int, name: str) -> str:
+    """A tool's parameters as a field path people can find: ``tools[3] (Workflow).parameters``."""
+    return f"tools[{index}] ({name[:64]}).parameters"
 
 
 def _reasoning_prefix(rules: dict[str, str], allow: bool, starts_inside: bool) -> str:
@@ -329,7 +479,7 @@ def _hermes_bodies(functions: list[tuple[str, dict[str, Any]]]
     conv, bodies = _Converter(), []
     conv._rules["bmoe-call-end"] = '"\\n"?'
     for i, (name, params) in enumerate(functions):
-        with _explained():
+        with _explained(tool_where(i, name)):
             params = conv.resolve_refs(copy.deepcopy(params), f"tool{i}")
             wrapper = {"type": "object",
                        "properties": {"name": {"const": name}, "arguments": params},
@@ -343,7 +493,7 @@ def _coder_bodies(functions: list[tuple[str, dict[str, Any]]]
     conv, bodies = _Converter(), []
     conv._rules.update(text_without("bmoe-param-text", [PARAM_CLOSE, CALL_CLOSE]))
     for i, (name, params) in enumerate(functions):
-        with _explained():
+        with _explained(tool_where(i, name)):
             params = conv.resolve_refs(copy.deepcopy(params), f"tool{i}")
             bodies.append(_coder_function(conv, f"tool{i}", name, conv.deref(params)))
     return conv, bodies

@@ -28,6 +28,7 @@ from typing import Any, Callable, Protocol
 import llama_cpp as lc
 
 from .errors import EngineError, LoadError
+from .grammar_guard import GrammarRefused, check_grammar
 from .templating import ChatTemplate
 
 SEED_RANDOM = 4294967295
@@ -249,6 +250,15 @@ class Session:
     # -- decoding ------------------------------------------------------------
 
     def _grammar_sampler(self, grammar: str, triggers: list[int]) -> Any:
+        # The last gate before llama.cpp: every grammar, generated or a client's, is read
+        # by the guard first (a grammar llama.cpp cannot hold crashes the process).
+        try:
+            check_grammar(grammar, n_vocab=self.n_vocab)
+        except GrammarRefused as e:
+            raise EngineError("invalid_request", f"grammar: {e}") from None
+        if any(not 0 <= t < self.n_vocab for t in triggers):
+            raise EngineError("invalid_request", "A grammar trigger is not a token of this "
+                              "model.")
         if not triggers:
             return lc.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
         # Lazy: free text until a trigger token is sampled, then held to the grammar.

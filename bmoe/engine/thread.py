@@ -15,6 +15,10 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, Callable
 
+# llama.cpp's grammar parser and sampler recurse: the engine thread gets a deep stack so
+# the limits of bmoe.engine.grammar_guard keep a wide margin (virtual memory: pages are
+# touched only when used). Measured in bench/grammar_limits.py.
+ENGINE_STACK_BYTES = 64 * 1024 * 1024
 _STOP = object()
 
 
@@ -22,7 +26,11 @@ class EngineThread:
     def __init__(self, name: str = "bmoe-engine") -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        previous = threading.stack_size(ENGINE_STACK_BYTES)
+        try:
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         fut: Future[Any] = Future()
