@@ -174,6 +174,9 @@ def service_argv(argv: list[str], cwd: Path | None = None) -> ServiceArgs:
         ns.api_key_file, new_key = ensure_key(data_dir)
         if new_key is None:
             notes.append(f"Kept the key an earlier install wrote: {ns.api_key_file}.")
+    if ns.api_key is not None:
+        notes.append("--api-key puts the key in the service's command line, which every "
+                      "local user can list; --api-key-file is the way to pass one.")
     out = namespace_to_argv(parser, ns, skip=set(DROPPED))
     check_launch(parser.parse_args(out))
     return ServiceArgs(out, data_dir, ns.log_file, url_for(ns.host, ns.port), notes, new_key)
