@@ -159,6 +159,16 @@ class ConfigStore:
                 self._save()
             return self.state(loaded_values), rejected
 
+    def extra(self, key: str) -> Any:
+        """A top-level field of the settings file that is not a parameter (``model_folders``)."""
+        with self._lock:
+            return self._extra.get(key)
+
+    def set_extra(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._extra[key] = value
+            self._save()
+
     def forget_missing_model(self) -> bool:
         """Forget a client's model whose file is gone (a launch ``-m`` stays).
 

@@ -18,6 +18,7 @@ from ..http import access
 from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore
 from .events import EventBus
+from . import models_routes
 from .routes import build_routes
 from .shapes import error_shaper
 from .state import ServerOptions, ServerState
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write every line of stderr, timestamped, to this file (moved "
                         "to FILE.1 at 16 MiB)")
     params.add_cli_flags(p, server=True)
+    models_routes.add_flags(p)
     return p
 
 
@@ -165,6 +167,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
             with running:
                 async with trio.open_nursery() as nursery:
                     state.attach(nursery)
+                    await nursery.start(models_routes.run, state)
                     await _start(nursery, state, app, policy, options, args)
         finally:
             with trio.CancelScope(shield=True):

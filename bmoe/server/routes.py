@@ -16,6 +16,7 @@ from ..http.sse import sse_comment, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from ..server.config import OutsideModelsDir, confine_model_path
 from . import decide, openai_chat, ws
+from . import models_routes
 from .state import ServerState
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
@@ -47,6 +48,7 @@ def build_routes(state: ServerState) -> RouteTable:
     add("POST", "/v1/messages/count_tokens", anthropic.count_tokens,
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
     add("POST", "/v1/responses", responses.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    models_routes.register(table, state)
     return table
 
 
