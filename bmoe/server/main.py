@@ -156,6 +156,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
     bus = EventBus()
     kind = AutoloadState if args.autoload else ServerState
     state = kind(options, config, bus, streamer_factory=streamer_factory)
+    models_routes.attach(state, args)
     routes = build_routes(state)
     if isinstance(state, AutoloadState):
         routes = with_autoload(routes, state)   # a request that finds no model loads it
