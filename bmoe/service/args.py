@@ -174,6 +174,10 @@ def service_argv(argv: list[str], cwd: Path | None = None) -> ServiceArgs:
         ns.api_key_file, new_key = ensure_key(data_dir)
         if new_key is None:
             notes.append(f"Kept the key an earlier install wrote: {ns.api_key_file}.")
+    model = getattr(ns, "model", None)
+    if model and not Path(model).is_file():
+        notes.append(f"Note: the model {model} is not there yet; the service will say so in "
+                     "its log until it is.")
     if ns.api_key is not None:
         notes.append("--api-key puts the key in the service's command line, which every "
                       "local user can list; --api-key-file is the way to pass one.")
