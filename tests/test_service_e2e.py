@@ -246,3 +246,14 @@ def test_the_registered_command_serves(tmp_path: Path, home: Path, tiny_moe: Pat
         assert _stop(srv) == 0
     log = (data / "bmoe-server.log").read_text()
     assert "bmoe: loaded tiny-moe.gguf" in log and "stopping on SIGTERM" in log
+
+
+def test_a_crash_leaves_its_lines_in_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    srv = start_server(tmp_path / "data", "--log-file", str(log), wait_ready=False)
+    os.kill(srv.proc.pid, signal.SIGSEGV)
+    assert srv.proc.wait(30) == -signal.SIGSEGV
+    srv.proc.stdout.close()  # type: ignore[union-attr]
+    wait_for(lambda: "Segmentation fault" in log.read_text(), 10, "the crash in the log")
+    text = log.read_text()
+    assert "listening on" in text and "Fatal Python error: Segmentation fault" in text

@@ -22,6 +22,7 @@ Rotation: PATH is moved to PATH.1 (replacing an earlier one) when it reaches
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
@@ -126,6 +127,7 @@ def start(path: Path) -> subprocess.Popen[bytes]:
     sys.stderr.flush()
     os.dup2(child.stdin.fileno(), 2)
     child.stdin.close()
+    faulthandler.enable(file=sys.stderr)    # a crash leaves its Python stack in the log
     return child
 
 
