@@ -70,13 +70,14 @@ def _path_dests(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def absolute(value: Any, cwd: Path) -> Any:
-    """A path (or a list of them) made absolute against ``cwd``; "" stays ""."""
+    """A path (or a list of them) made absolute against ``cwd``, of the type it came as
+    (the table's path parameters are text, the server's own options ``Path``); "" stays ""."""
     if isinstance(value, list):
         return [absolute(v, cwd) for v in value]
     if value in (None, ""):
         return value
-    path = Path(os.path.expanduser(os.fspath(value)))
-    return Path(os.path.normpath(cwd / path))
+    path = Path(os.path.normpath(cwd / os.path.expanduser(os.fspath(value))))
+    return os.fspath(path) if isinstance(value, str) else path
 
 
 def _text(value: Any) -> str:
@@ -92,7 +93,11 @@ def _option(flag: str, value: Any) -> list[str]:
 
 def namespace_to_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace,
                       skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
-    """The command line that parses back to ``ns`` (options only; defaults left out)."""
+    """The command line that parses back to ``ns`` (options only; defaults left out).
+
+    Written from the parser's own actions (argparse's action classes name their kind),
+    so an option added to the server later is written out with no change here.
+    """
     out: list[str] = []
     done: set[str] = set()
     for action in parser._actions:
@@ -182,5 +187,11 @@ def service_argv(argv: list[str], cwd: Path | None = None) -> ServiceArgs:
         notes.append("--api-key puts the key in the service's command line, which every "
                       "local user can list; --api-key-file is the way to pass one.")
     out = namespace_to_argv(parser, ns, skip=set(DROPPED))
-    check_launch(parser.parse_args(out))
+    again = parser.parse_args(out)
+    lost = [k for k, v in vars(ns).items() if k not in DROPPED and getattr(again, k, None) != v]
+    if lost:
+        raise SystemExit("bmoe-server: the service's command line would not keep "
+                         f"{', '.join('--' + k.replace('_', '-') for k in lost)}: a fault in "
+                         "bmoe, not in what you typed; please report it.")
+    check_launch(again)
     return ServiceArgs(out, data_dir, ns.log_file, url_for(ns.host, ns.port), notes, new_key)
