@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from bmoe.server import main as server_main
-from bmoe.service import NAME, args, cli, logtee, stopping, units
+from bmoe.service import NAME, args, cli, logtee, managers, stopping, units
 
 TRICKY = ["--scan-dir", "/srv/my models/100% \"best\"", "--allow-origin", "http://x:1/$HOME",
           "--model", "C:\\models\\a b\\m.gguf", "--temp", "0.7", "--no-think", "back\\slash\\"]
@@ -446,10 +446,14 @@ def test_no_service_manager_is_a_sentence(tmp_path: Path, home: Path,
 @pytest.mark.skipif(not _user_manager_answers(),
                     reason="no systemd user manager answers on this machine (the stand-in "
                            "test above checks the command lines)")
-def test_real_systemctl_user(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_real_systemctl_user(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
     unit = Path(os.path.expanduser("~/.config/systemd/user")) / f"{NAME}.service"
     if unit.exists():
         pytest.skip(f"{NAME} is already installed for this user; not touching it")
+    # lingering outlives the test: leave the machine's setting alone (the stand-in test
+    # checks the loginctl lines)
+    monkeypatch.setattr(managers.Systemd, "linger", lambda self: [])
     data = tmp_path / "data"
     try:
         assert cli.main(["install", "--data-dir", str(data), "--port", "0", "--threads", "1"]) == 0
