@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from .grammar_guard import GrammarRefused, check_grammar
 from .templating import ChatTemplate
 
 SEED_RANDOM = 4294967295
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 PREFILL_CHUNK = 512  # tokens per llama_decode during a prefill
 _GGML_LOG_LEVEL_ERROR = 4  # ggml.h enum ggml_log_level
 
@@ -215,7 +217,9 @@ class Session:
     # -- text ----------------------------------------------------------------
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        # JSON can carry an unpaired surrogate ("\\ud800"), which is not UTF-8; llama.cpp
+        # must only ever see valid UTF-8, so each becomes U+FFFD as a decoder would.
+        data = _LONE_SURROGATE.sub("\ufffd", text).encode("utf-8")
         add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         cap = len(data) + 8
         buf = (lc.llama_token * cap)()
