@@ -119,7 +119,7 @@ def check_attack(report: dict[str, Any], *, tricklers: int, head_timeout: float,
                  peer_arriving: int) -> None:
     """What a slow-client attack (``_slowloris.py``'s report) must leave: every normal
     request answered 200 within 1 s; the tricklers the server let wait closed with a 408
-    at the head deadline; the rest closed at once, unanswered."""
+    at the head deadline; the rest closed at once (well before it), unanswered."""
     info = report["info"]
     assert len(info) >= 10, info
     slow = [(took, status) for took, status in info if status != 200 or took >= 1.0]
@@ -131,8 +131,8 @@ def check_attack(report: dict[str, Any], *, tricklers: int, head_timeout: float,
     assert timed_out, "no trickler reached the head deadline"
     for opened, closed_at, _ in timed_out:
         assert head_timeout - 0.1 <= closed_at - opened <= head_timeout + 1.0, (opened, closed_at)
-    for opened, closed_at, _ in at_once:
-        assert closed_at - opened < 1.0, (opened, closed_at)
+    for opened, closed_at, _ in at_once:      # long before the deadline (the client's own
+        assert closed_at - opened < head_timeout / 2, (opened, closed_at)   # loop is in this figure)
     if tricklers > peer_arriving:
         assert at_once, "the tricklers past the peer's places were not closed"
     assert len(report["tricklers"]) >= tricklers
