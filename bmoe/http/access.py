@@ -12,7 +12,10 @@ machine), and against the network where the server was told to listen on one.
    tell apart from the browser refusals below (403). Applies to UI files too. A
    binding beyond loopback lifts the check; the key stands in its place.
 
-For ``/api/*`` and ``/v1/*`` only (UI files are served without these):
+For ``/api/*``, ``/v1/*`` and llama-server's own routes (``llama_server_paths()``:
+``/completion``, ``/tokenize``, ``/props``, ``/metrics``, ...), which live outside those
+prefixes but must not become a side door (UI files are served without these checks;
+``/health`` skips the key alone, as it does in llama-server):
 
 2. **Key**, when one is set: ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``,
    compared in constant time; else ``401 unauthorized`` + ``WWW-Authenticate: Bearer``.
@@ -94,8 +97,20 @@ def is_loopback_address(ip: str) -> bool:
     return addr.is_loopback
 
 
+def llama_server_paths() -> tuple[str, ...]:
+    """llama-server's routes outside ``/api`` and ``/v1``: each path and everything
+    below it is API, with the key, Origin and 415 checks of ``/api`` and ``/v1``."""
+    return ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
+            "/props", "/slots", "/metrics", "/models", "/chat", "/infill", "/embedding",
+            "/embeddings", "/rerank", "/reranking", "/lora-adapters", "/health")
+
+
+PUBLIC_PATHS = ("/health", "/v1/health")   # llama-server's health check: no key
+
+
 def is_api_path(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in ("/api", "/v1"))
+    return any(path == p or path.startswith(p + "/")
+               for p in ("/api", "/v1", *llama_server_paths()))
 
 
 def is_local_only(method: str, request: Request) -> bool:
@@ -111,7 +126,8 @@ def check_access(request: Request, policy: AccessPolicy) -> None:
     _check_host(request, policy)
     if not is_api_path(request.path):
         return
-    _check_key(request, policy)
+    if request.path not in PUBLIC_PATHS:
+        _check_key(request, policy)
     _check_origin(request, policy)
     _check_content_type(request)
     if not request.peer_is_loopback and is_local_only(request.method, request):

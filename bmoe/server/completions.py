@@ -1,0 +1,543 @@
+"""llama-server's text completions: `POST /completion` and OpenAI's `POST /v1/completions`.
+
+Theory of operation
+-------------------
+Both routes are a decoder and an encoder over the one turn service:
+
+* `decode_completion` / `decode_openai` read the body (a pydantic wire model for the
+  types, then the checks a type cannot say: ranges, the prompt's shape, the fields
+  bmoe cannot honour, refused by name) into a `TurnRequest` with a raw prompt (no
+  chat template) and the request's own `Sampling`. Token ids are checked against the
+  vocabulary on the engine thread (`bmoe.engine.turn.raw_tokens`,
+  `bmoe.engine.sampling.build_chain`) before llama.cpp sees one.
+* `LlamaEncoder` / `OpenAIEncoder` turn the events of a turn in the `raw` shape into
+  llama-server's JSON or SSE chunks. Stop strings are held back while they may still
+  be forming (`StopFilter`), so no client sees part of one.
+
+Errors on these routes have llama-server's shape (`llama_error`), installed for
+their paths by `shapes.error_shaper`.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from typing import Any
+
+from pydantic import StrictBool, StrictStr
+
+from ..engine.errors import EngineError
+from ..engine.sampling import (LOGIT_BIAS_ENTRIES_MAX, LOGIT_BIAS_MAX, N_PROBS_MAX,
+                               SEED_RANDOM, Sampling)
+from ..engine.turn import TurnRequest
+from ..http.errors import HTTPError, invalid_request
+from ..http.sse import sse_comment, sse_done, sse_event
+from ..http.types import Request, Response, StreamResponse
+from . import chatreq, turnservice, wire
+from .shapes import engine_http_error
+from .state import ServerState
+from .turnevents import Failed, Finished, Ping, RawTokens, Shape, Started, TurnEvent, Waiting
+
+I32_MAX = 2**31 - 1
+PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)
+STOP_WORDS_MAX = 16
+STOP_WORD_CHARS_MAX = 256
+
+
+# -- request ------------------------------------------------------------------------
+
+class CompletionBody(wire.Wire):
+    prompt: Any = None
+    stream: StrictBool | None = None
+    stop: list[StrictStr] | StrictStr | None = None
+    grammar: StrictStr | None = None
+    json_schema: Any = None
+    ignore_eos: StrictBool | None = None
+    cache_prompt: StrictBool | None = None
+    return_tokens: StrictBool | None = None
+    post_sampling_probs: StrictBool | None = None
+    stream_options: dict[str, Any] | None = None
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
+
+
+# Fields llama-server has and bmoe does not: refused when they ask for anything
+# (a value other than the one that turns the stage off), never silently dropped.
+_OFF = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+        "top_n_sigma": -1.0, "dynatemp_range": 0.0, "n_keep": 0, "n_discard": 0,
+        "t_max_predict_ms": 0, "n_indent": 0}
+_EMPTY = ("image_data", "multimodal_data", "lora", "samplers")
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float = -math.inf,
+            hi: float = math.inf) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid_request(f"`{name}` must be a finite number.")
+    if not lo <= value <= hi:
+        raise invalid_request(f"`{name}` must be between {lo:g} and {hi:g}.")
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_request(f"`{name}` must be an integer.")
+    if not lo <= value <= hi:
+        raise invalid_request(f"`{name}` must be between {lo} and {hi}.")
+    return value
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, off in _OFF.items():
+        value = body.get(name)
+        if value is not None and value != off:
+            raise invalid_request(f"`{name}` is not supported by this server; leave it out "
+                                  f"(or {off!r}).")
+    for name in _EMPTY:
+        if body.get(name):
+            raise invalid_request(f"`{name}` is not supported by this server; leave it out.")
+    slot = body.get("id_slot")
+    if slot is not None and slot not in (-1, 0):
+        raise invalid_request("`id_slot` must be 0 or -1: this server has one slot.")
+
+
+def read_prompt(value: Any, field: str = "prompt") -> list[str | int]:
+    """llama-server's prompt: a string, token ids, or a list mixing both (one prompt)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        if len(value) > PROMPT_PARTS_MAX:
+            raise invalid_request(f"`{field}` has more than {PROMPT_PARTS_MAX} parts.")
+        if len(value) == 1 and isinstance(value[0], list):
+            return read_prompt(value[0], field)
+        parts: list[str | int] = []
+        for i, part in enumerate(value):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, int) and not isinstance(part, bool):
+                if not 0 <= part <= I32_MAX:
+                    raise invalid_request(f"`{field}[{i}]` is {part}, which is not a token id.")
+                parts.append(part)
+            elif isinstance(part, (list, dict)):
+                raise invalid_request(f"`{field}` holds several prompts; send one prompt a "
+                                      "request.")
+            else:
+                raise invalid_request(f"`{field}[{i}]` must be a string or a token id.")
+        if parts:
+            return parts
+    if value is None:
+        raise invalid_request(f"`{field}` is required.")
+    raise invalid_request(f"`{field}` must be a string, token ids, or a list of both.")
+
+
+def read_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's object {"id": bias} or llama-server's [[id, bias], ...]; a bias is a
+    number in -100..100, or false (never this token). Ids are checked against the
+    vocabulary on the engine thread."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list):
+        pairs = []
+        for i, pair in enumerate(value):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise invalid_request(f"`logit_bias[{i}]` must be a pair [token id, bias].")
+            pairs.append((pair[0], pair[1]))
+    else:
+        raise invalid_request("`logit_bias` must be an object of token ids to numbers.")
+    if len(pairs) > LOGIT_BIAS_ENTRIES_MAX:
+        raise invalid_request(f"`logit_bias` has more than {LOGIT_BIAS_ENTRIES_MAX} entries.")
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        tok = _token_key(key)
+        if tok in out:
+            raise invalid_request(f"`logit_bias` names the token {tok} twice.")
+        out[tok] = _bias(bias, tok)
+    return tuple(out.items())
+
+
+def _token_key(key: Any) -> int:
+    if isinstance(key, int) and not isinstance(key, bool):
+        tok = key
+    elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+        tok = int(key)
+    else:
+        raise invalid_request(f"`logit_bias` key {str(key)[:40]!r} is not a token id: give "
+                              "token ids, not text.")
+    if not 0 <= tok <= I32_MAX:
+        raise invalid_request(f"`logit_bias` key {tok} is not a token id.")
+    return tok
+
+
+def _bias(bias: Any, tok: int) -> float:
+    if bias is False:
+        return -math.inf
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        raise invalid_request(f"`logit_bias` for token {tok} must be a number or false.")
+    if abs(bias) > LOGIT_BIAS_MAX:
+        raise invalid_request(f"`logit_bias` for token {tok} must be between -100 and 100.")
+    return float(bias)
+
+
+def read_stop(value: Any) -> tuple[str, ...]:
+    words = [value] if isinstance(value, str) else list(value or [])
+    if len(words) > STOP_WORDS_MAX:
+        raise invalid_request(f"`stop` holds more than {STOP_WORDS_MAX} strings.")
+    if any(len(w) > STOP_WORD_CHARS_MAX for w in words):
+        raise invalid_request(f"`stop` strings are at most {STOP_WORD_CHARS_MAX} characters.")
+    return tuple(w for w in words if w)
+
+
+def read_sampling(body: dict[str, Any]) -> Sampling:
+    """The request's sampling at llama-server's defaults (400 naming a bad field)."""
+    seed = _integer(body, "seed", -1, -1, 2**32 - 1)
+    return Sampling(
+        temperature=_number(body, "temperature", 0.8),
+        top_k=_integer(body, "top_k", 40, -(2**31), I32_MAX),
+        top_p=_number(body, "top_p", 0.95, 0.0, 1.0),
+        min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
+        repeat_penalty=_number(body, "repeat_penalty", 1.0, 1e-6, 1e6),
+        repeat_last_n=_integer(body, "repeat_last_n", 64, -1, I32_MAX),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -1e6, 1e6),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -1e6, 1e6),
+        seed=SEED_RANDOM if seed == -1 else seed,
+        ignore_eos=bool(body.get("ignore_eos")),
+        logit_bias=read_logit_bias(body.get("logit_bias")),
+        n_probs=_integer(body, "n_probs", 0, 0, N_PROBS_MAX),
+        stop=read_stop(body.get("stop")),
+    )
+
+
+def decode_completion(body: dict[str, Any], budget_field: str = "n_predict") -> TurnRequest:
+    """`POST /completion`'s body as a turn (400 naming the field otherwise)."""
+    parsed = wire.parse(CompletionBody, body)
+    _refuse_unsupported(body)
+    if parsed.post_sampling_probs:
+        raise invalid_request("`post_sampling_probs` is not supported: `n_probs` reports the "
+                              "model's own probabilities.")
+    prompt = read_prompt(body.get("prompt"))
+    sampling = read_sampling(body)
+    n_predict = _integer(body, budget_field, -1, -1, I32_MAX)
+    if n_predict == 0:
+        raise invalid_request(f"`{budget_field}` 0 is not supported: ask for at least one "
+                              "token, or -1 for no limit but the context.")
+    schema = chatreq.response_format_schema(None, body.get("json_schema"))
+    if parsed.grammar and schema is not None:
+        raise invalid_request("`grammar` and `json_schema` cannot be combined.")
+    return TurnRequest(messages=[], max_tokens=max(0, n_predict), think=False, schema=schema,
+                       grammar=parsed.grammar or None, raw_prompt=prompt, sampling=sampling,
+                       cache_prompt=parsed.cache_prompt is not False)
+
+
+def decode_openai(body: dict[str, Any]) -> TurnRequest:
+    """`POST /v1/completions`: OpenAI's fields on the /completion path."""
+    parsed = wire.parse(CompletionBody, body)
+    if parsed.echo:
+        raise invalid_request("`echo` is not supported: the answer holds the completion only.")
+    if parsed.suffix:
+        raise invalid_request("`suffix` is not supported.")
+    if _integer(body, "best_of", 1, 1, 1) != 1:
+        raise invalid_request("`best_of` above 1 is not supported.")
+    if body.get("logprobs") is not None:
+        raise invalid_request("`logprobs` is not supported on /v1/completions; use "
+                              "`n_probs` on /completion.")
+    if _integer(body, "n", 1, 1, 1) != 1:
+        raise invalid_request("`n` above 1 is not supported.")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise invalid_request("`prompt` holds several prompts; send one prompt a request.")
+    if body.get("n_predict") is None and body.get("max_tokens") is not None:
+        return decode_completion(body, "max_tokens")
+    return decode_completion(body)
+
+
+# -- response -----------------------------------------------------------------------
+
+class StopFilter:
+    """Text as it may be shown: a stop string is cut off, and a tail that could still
+    become one is held back until the next text says."""
+
+    def __init__(self, words: tuple[str, ...]) -> None:
+        self.words = [w for w in words if w]
+        self.buf = ""
+        self.done = False
+
+    def feed(self, text: str) -> str:
+        if self.done:
+            return ""
+        self.buf += text
+        hits = [(self.buf.find(w), w) for w in self.words if w in self.buf]
+        if hits:
+            out = self.buf[:min(hits)[0]]
+            self.buf, self.done = "", True
+            return out
+        keep = self._partial()
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out = "" if self.done else self.buf
+        self.buf = ""
+        return out
+
+    def _partial(self) -> int:
+        best = 0
+        for w in self.words:
+            for n in range(min(len(w) - 1, len(self.buf)), best, -1):
+                if self.buf.endswith(w[:n]):
+                    best = n
+                    break
+        return best
+
+
+def stop_type(fin: Finished) -> str:
+    gen = fin.generation
+    if gen is not None and gen.stop_word:
+        return "word"
+    return {"stop": "eos", "length": "limit"}.get(fin.finish, "none")
+
+
+def timings(fin: Finished) -> dict[str, Any]:
+    gen = fin.generation
+    if gen is None:
+        return {}
+    p_ms, d_ms, n_out = gen.prefill_s * 1000.0, gen.decode_s * 1000.0, len(gen.tokens)
+    return {"cache_n": gen.n_cached, "prompt_n": gen.n_prefilled, "prompt_ms": p_ms,
+            "prompt_per_token_ms": p_ms / gen.n_prefilled if gen.n_prefilled else 0.0,
+            "prompt_per_second": gen.n_prefilled / gen.prefill_s if gen.prefill_s > 0 else 0.0,
+            "predicted_n": n_out, "predicted_ms": d_ms,
+            "predicted_per_token_ms": d_ms / n_out if n_out else 0.0,
+            "predicted_per_second": n_out / gen.decode_s if gen.decode_s > 0 else 0.0}
+
+
+def _piece(text: str, raw: bytes) -> dict[str, Any]:
+    return {"token": text, "bytes": list(raw)}
+
+
+def token_probs(ev: Any) -> dict[str, Any]:
+    """One token's entry of `completion_probabilities` (llama-server's logprob form)."""
+    top = [{"id": t, **_piece(b.decode("utf-8", "replace"), b), "logprob": lp}
+           for t, lp, b in (ev.top or [])]
+    return {"id": ev.token, **_piece(ev.text, ev.text.encode()), "logprob": ev.logprob,
+            "top_logprobs": top}
+
+
+def llama_error_body(err: HTTPError) -> dict[str, Any]:
+    kinds = {400: "invalid_request_error", 401: "authentication_error",
+             403: "permission_error", 404: "not_found_error", 501: "not_supported_error",
+             503: "unavailable_error"}
+    kind = kinds.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    return {"error": {"code": err.status, "message": err.message, "type": kind}}
+
+
+def _as_http(e: EngineError | HTTPError) -> HTTPError:
+    return engine_http_error(e) if isinstance(e, EngineError) else e
+
+
+class _TextEncoder:
+    """What both encoders share: the stop filter, the tokens and their probabilities."""
+
+    shape: Shape = "raw"
+    headers: list[tuple[str, str]] = []
+
+    def __init__(self, req: TurnRequest) -> None:
+        self.req = req
+        self.sampling = req.sampling or Sampling()
+        self.filter = StopFilter(self.sampling.stop)
+        self.model = ""
+        self.text = ""
+        self.probs: list[dict[str, Any]] = []
+
+    def new_call_id(self) -> str:
+        return ""
+
+    def take(self, ev: RawTokens) -> tuple[str, list[int], list[dict[str, Any]]]:
+        text = self.filter.feed("".join(t.text for t in ev.tokens))
+        self.text += text
+        probs = [token_probs(t) for t in ev.tokens] if self.sampling.n_probs else []
+        self.probs += probs
+        return text, [t.token for t in ev.tokens], probs
+
+    def rest(self) -> str:
+        tail = self.filter.flush()
+        self.text += tail
+        return tail
+
+    def error_event(self, e: EngineError | HTTPError) -> bytes:
+        return sse_event(None, llama_error_body(_as_http(e)))
+
+    def keepalive(self, ev: TurnEvent) -> bytes | None:
+        if isinstance(ev, Waiting):
+            return sse_comment("waiting for a turn")
+        if isinstance(ev, Ping):
+            return sse_comment("ping")
+        if isinstance(ev, Started):
+            self.model = ev.model
+            return b""
+        return None
+
+
+class LlamaEncoder(_TextEncoder):
+    """Turn events → llama-server's /completion JSON, or its `data: {...}` chunks."""
+
+    def __init__(self, req: TurnRequest, prompt_text: str, n_predict: int,
+                 streaming: bool, return_tokens: bool) -> None:
+        super().__init__(req)
+        self.prompt_text = prompt_text
+        self.n_predict = n_predict
+        self.streaming = streaming
+        self.return_tokens = return_tokens
+        self.n_out = 0
+
+    def settings(self) -> dict[str, Any]:
+        return {**self.sampling.settings(), "n_predict": self.n_predict,
+                "stream": self.streaming, "grammar": self.req.grammar or "",
+                "model": self.model}
+
+    def encode(self, ev: TurnEvent) -> bytes:
+        early = self.keepalive(ev)
+        if early is not None:
+            return early
+        if isinstance(ev, RawTokens):
+            text, ids, probs = self.take(ev)
+            self.n_out += len(ids)
+            body: dict[str, Any] = {"index": 0, "content": text,
+                                    "tokens": ids if self.return_tokens else [], "stop": False,
+                                    "id_slot": 0, "tokens_predicted": self.n_out}
+            if probs:
+                body["completion_probabilities"] = probs
+            return sse_event(None, body)
+        if isinstance(ev, Finished):
+            return sse_event(None, self.final(ev, self.rest(), streamed=True))
+        if isinstance(ev, Failed):
+            return self.error_event(ev.error)
+        return b""
+
+    def final(self, fin: Finished, content: str, streamed: bool) -> dict[str, Any]:
+        gen = fin.generation
+        tokens = list(gen.tokens) if gen is not None and self.return_tokens and not streamed \
+            else []
+        body: dict[str, Any] = {
+            "index": 0, "content": content, "tokens": tokens, "id_slot": 0, "stop": True,
+            "model": fin.model, "tokens_predicted": fin.n_output, "tokens_evaluated": fin.n_prompt,
+            "generation_settings": self.settings(), "prompt": self.prompt_text,
+            "has_new_line": "\n" in self.text, "truncated": False,
+            "stop_type": stop_type(fin), "stopping_word": gen.stop_word if gen else "",
+            "tokens_cached": gen.n_past if gen else 0, "timings": timings(fin)}
+        if self.probs and not streamed:
+            body["completion_probabilities"] = self.probs
+        return body
+
+    def whole(self, fin: Finished) -> dict[str, Any]:
+        self.rest()
+        return self.final(fin, self.text, streamed=False)
+
+
+class OpenAIEncoder(_TextEncoder):
+    """Turn events → OpenAI's `text_completion` JSON, or its chunks and `[DONE]`."""
+
+    def __init__(self, req: TurnRequest, include_usage: bool) -> None:
+        super().__init__(req)
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def _body(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": "bmoe",
+                "choices": [{"index": 0, "logprobs": None, **choice}]}
+
+    def encode(self, ev: TurnEvent) -> bytes:
+        early = self.keepalive(ev)
+        if early is not None:
+            return early
+        if isinstance(ev, RawTokens):
+            text, _, _ = self.take(ev)
+            return sse_event(None, self._body({"text": text, "finish_reason": None})) \
+                if text else b""
+        if isinstance(ev, Finished):
+            self.model = ev.model
+            out = sse_event(None, self._body({"text": self.rest(),
+                                              "finish_reason": finish_reason(ev)}))
+            if self.include_usage:
+                body = self._body({})
+                body["choices"] = []
+                body["usage"] = usage(ev)
+                out += sse_event(None, body)
+            return out + sse_done()
+        if isinstance(ev, Failed):
+            return self.error_event(ev.error) + sse_done()
+        return b""
+
+    def whole(self, fin: Finished) -> dict[str, Any]:
+        self.rest()
+        self.model = fin.model
+        body = self._body({"text": self.text, "finish_reason": finish_reason(fin)})
+        body["usage"] = usage(fin)
+        body["timings"] = timings(fin)
+        return body
+
+
+def finish_reason(fin: Finished) -> str:
+    return "length" if fin.finish == "length" else "stop"
+
+
+def usage(fin: Finished) -> dict[str, int]:
+    return {"prompt_tokens": fin.n_prompt, "completion_tokens": fin.n_output,
+            "total_tokens": fin.n_prompt + fin.n_output}
+
+
+# -- handlers -----------------------------------------------------------------------
+
+async def _whole(state: ServerState, req: TurnRequest, encoder: _TextEncoder) -> Response:
+    turn = turnservice.Turn(state, req)
+
+    async def emit(ev: TurnEvent) -> None:
+        encoder.encode(ev)      # the encoder keeps the text, ids and probabilities
+
+    try:
+        fin = await turnservice.drive(turn, emit, encoder.shape)
+    finally:
+        turn.close()
+    return Response.json(encoder.whole(fin))
+
+
+async def serve(state: ServerState, req: TurnRequest, encoder: _TextEncoder,
+                streaming: bool) -> Response | StreamResponse:
+    turnservice.require_model(state)
+    try:
+        if not streaming:
+            return await _whole(state, req, encoder)
+        turn = await turnservice.open_stream(state, req)
+    except EngineError as e:
+        raise engine_http_error(e) from None
+    return StreamResponse(produce=lambda send: turnservice.stream(turn, encoder, send),
+                          headers=[("Cache-Control", "no-cache")], on_close=turn.close)
+
+
+async def completion(state: ServerState, request: Request) -> Response | StreamResponse:
+    body = request.json_object()
+    req = decode_completion(body)
+    prompt = body.get("prompt")
+    streaming = bool(body.get("stream"))
+    encoder = LlamaEncoder(req, prompt if isinstance(prompt, str) else "",
+                           req.max_tokens or -1, streaming, bool(body.get("return_tokens")))
+    return await serve(state, req, encoder, streaming)
+
+
+async def openai_completion(state: ServerState, request: Request) -> Response | StreamResponse:
+    body = request.json_object()
+    req = decode_openai(body)
+    opts = body.get("stream_options") or {}
+    encoder = OpenAIEncoder(req, bool(opts.get("include_usage")) if isinstance(opts, dict)
+                            else False)
+    return await serve(state, req, encoder, bool(body.get("stream")))

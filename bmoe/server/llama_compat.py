@@ -1,0 +1,303 @@
+"""llama-server's routes: health, props, slots, tokenizer, metrics, lookups, Ollama's list.
+
+Theory of operation
+-------------------
+These routes answer as llama-server does (field names, defaults, its error object
+`{"error": {"code", "message", "type"}}`, installed for their paths by
+`shapes.error_shaper`), so tools written for llama-server work against bmoe. The
+generation routes (`/completion`, `/v1/completions`) are in `completions.py`; this
+module holds the rest and `register`, their lines of the route table.
+
+Security: `bmoe.http.access` treats every path here as API (key, Host, Origin /
+`Sec-Fetch-Site`, 415 for non-JSON POSTs, no CORS); `/health` alone skips the key.
+
+Anything that reaches llama.cpp runs on the engine thread, and every token id a client
+sends is checked against the vocabulary there first.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+from pydantic import StrictBool, StrictStr
+
+from .. import __version__
+from ..engine.errors import EngineError
+from ..engine.sampling import Sampling, check_tokens
+from ..engine.session import Session
+from ..http import limits
+from ..http.errors import HTTPError, invalid_request
+from ..http.routes import RouteTable
+from ..http.types import Request, Response
+from . import completions, metrics, openai_chat, wire
+from .bridge import wait_future
+from .shapes import engine_http_error
+from .state import ServerState
+
+TOKENS_MAX = 1 << 20          # ids in one /detokenize body (the body cap bounds it too)
+
+
+def add_flags(p: Any) -> None:
+    p.add_argument("--metrics", action="store_true",
+                   help="serve GET /metrics (Prometheus text format), as llama-server's "
+                        "--metrics")
+
+
+def attach(state: Any, args: Any) -> None:
+    state.llama_metrics = bool(getattr(args, "metrics", False))
+
+
+def register(table: RouteTable, state: ServerState) -> None:
+    def add(method: str, path: str, fn: Callable[..., Any], **kw: Any) -> None:
+        table.add(method, path, partial(fn, state), **kw)
+
+    big = {"body_limit": limits.BIG_BODY_LIMIT_BYTES}
+    add("GET", "/health", health)
+    add("GET", "/v1/health", health)
+    add("POST", "/completion", completions.completion, **big)
+    add("POST", "/completions", completions.completion, **big)
+    add("POST", "/v1/completions", completions.openai_completion, **big)
+    add("POST", "/tokenize", tokenize, **big)
+    add("POST", "/detokenize", detokenize, **big)
+    add("POST", "/apply-template", apply_template, **big)
+    add("POST", "/v1/chat/completions/input_tokens", input_tokens, **big)
+    add("POST", "/chat/completions/input_tokens", input_tokens, **big)
+    add("POST", "/chat/completions", openai_chat.handle, **big)
+    add("GET", "/props", props)
+    add("POST", "/props", set_props)
+    add("GET", "/slots", slots)
+    add("POST", "/slots/{id}", slot_action)
+    add("GET", "/metrics", get_metrics)
+    add("GET", "/models", models)
+    add("GET", "/models/{id}", model)
+    add("GET", "/v1/models/{id}", model)
+    add("GET", "/api/tags", ollama_tags)
+    add("POST", "/api/show", ollama_show)
+
+
+def not_supported(message: str) -> HTTPError:
+    return HTTPError(501, "not_supported", message)
+
+
+async def ready_session(state: ServerState) -> Session:
+    """The loaded model, or 503 as llama-server answers while it loads."""
+    if state.state in ("loading", "planning"):
+        raise HTTPError(503, "loading", "Loading model")
+    if state.session is None or state.state != "ready":
+        raise HTTPError(503, "no_model", "No model is loaded. Load one with "
+                        "POST /api/session/load or start the server with -m.")
+    return state.session
+
+
+async def on_engine(state: ServerState, fn: Callable[..., Any], *args: Any) -> Any:
+    session = await ready_session(state)
+    try:
+        return await wait_future(state.engine.submit(fn, session, *args))
+    except EngineError as e:
+        raise engine_http_error(e) from None
+
+
+# -- health, props, slots ----------------------------------------------------------
+
+async def health(state: ServerState, request: Request) -> Response:
+    await ready_session(state)
+    return Response.json({"status": "ok"})
+
+
+def default_settings(session: Session) -> dict[str, Any]:
+    params = {**Sampling().settings(), "n_predict": -1, "stream": False, "grammar": "",
+              "model": session.path.name}
+    return {"id": 0, "id_task": -1, "n_ctx": session.n_ctx, "speculative": False,
+            "is_processing": False, "params": params}
+
+
+async def props(state: ServerState, request: Request) -> Response:
+    session = await ready_session(state)
+    return Response.json({
+        "default_generation_settings": default_settings(session),
+        "total_slots": 1, "model_alias": session.path.name, "model_path": str(session.path),
+        "chat_template": session.template_text, "bos_token": session.bos_token,
+        "eos_token": session.eos_token, "modalities": {"vision": False, "audio": False},
+        "build_info": f"bmoe {__version__}", "n_ctx": session.n_ctx})
+
+
+async def set_props(state: ServerState, request: Request) -> Response:
+    raise not_supported("This server does not support changing global properties.")
+
+
+async def slots(state: ServerState, request: Request) -> Response:
+    session = await ready_session(state)
+    busy = state.generating
+    if busy and request.query.get("fail_on_no_slot") not in (None, "", "0", "false"):
+        raise HTTPError(503, "no_slot", "no slot available")
+    slot = default_settings(session)
+    slot["is_processing"] = busy
+    slot["prompt"] = ""
+    slot["next_token"] = [{"has_next_token": busy, "has_new_line": False, "n_remain": -1,
+                           "n_decoded": 0, "stopping_word": ""}]
+    return Response.json([slot])
+
+
+async def slot_action(state: ServerState, request: Request) -> Response:
+    raise not_supported("This server does not support slots action: the slot's state is not "
+                        "saved to files.")
+
+
+# -- tokenizer ---------------------------------------------------------------------
+
+class TokenizeBody(wire.Wire):
+    content: StrictStr
+    add_special: StrictBool | None = None
+    parse_special: StrictBool | None = None
+    with_pieces: StrictBool | None = None
+
+
+class DetokenizeBody(wire.Wire):
+    tokens: list[int]
+
+
+def _tokenize(session: Session, text: str, add_special: bool, parse_special: bool,
+              with_pieces: bool) -> list[Any]:
+    ids = session.tokenize(text, special=parse_special, add_special=add_special)
+    if not with_pieces:
+        return ids
+    out = []
+    for t in ids:
+        raw = session.token_bytes(t)
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": t, "piece": piece})
+    return out
+
+
+def _detokenize(session: Session, ids: list[int]) -> str:
+    check_tokens(ids, session.n_vocab, "tokens")
+    return b"".join(session.token_bytes(t) for t in ids).decode("utf-8", "replace")
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    body = wire.parse(TokenizeBody, request.json_object())
+    tokens = await on_engine(state, _tokenize, body.content, bool(body.add_special),
+                             body.parse_special is not False, bool(body.with_pieces))
+    return Response.json({"tokens": tokens})
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    raw = request.json_object()
+    if isinstance(raw.get("tokens"), list) and len(raw["tokens"]) > TOKENS_MAX:
+        raise invalid_request(f"`tokens` holds more than {TOKENS_MAX} ids.")
+    body = wire.parse(DetokenizeBody, {"tokens": [], **raw})
+    return Response.json({"content": await on_engine(state, _detokenize, list(body.tokens))})
+
+
+# -- chat prompts ------------------------------------------------------------------
+
+def _render(session: Session, req: Any, with_ids: bool) -> dict[str, Any]:
+    from ..engine.templating import TemplateError
+    try:
+        text = session.render(req.messages, tools=req.offered_tools(), enable_thinking=req.think)
+    except TemplateError as e:
+        raise EngineError("template_rejected", str(e)) from None
+    out: dict[str, Any] = {"prompt": text}
+    if with_ids:
+        out["prompt_ids"] = session.tokenize(text)
+    return out
+
+
+async def apply_template(state: ServerState, request: Request) -> Response:
+    body = request.json_object()
+    flag = body.get("return_prompt_ids")
+    if flag is not None and not isinstance(flag, bool):
+        raise invalid_request("`return_prompt_ids` must be true or false.")
+    req = openai_chat.decode(body, state.config)
+    return Response.json(await on_engine(state, _render, req, bool(flag)))
+
+
+async def input_tokens(state: ServerState, request: Request) -> Response:
+    req = openai_chat.decode(request.json_object(), state.config)
+    out = await on_engine(state, _render, req, True)
+    return Response.json({"input_tokens": len(out["prompt_ids"])})
+
+
+# -- metrics -----------------------------------------------------------------------
+
+async def get_metrics(state: ServerState, request: Request) -> Response:
+    if not getattr(state, "llama_metrics", False):
+        raise not_supported("This server does not support metrics endpoint. Start it with "
+                            "`--metrics`.")
+    return Response(body=metrics.exposition(state), content_type=metrics.CONTENT_TYPE)
+
+
+# -- model lookups -----------------------------------------------------------------
+
+def _entry(state: ServerState) -> dict[str, Any] | None:
+    info = state.model_info()
+    if info is None:
+        return None
+    return {"id": info["name"], "object": "model", "owned_by": "local", "created": 0,
+            "meta": {"n_ctx": info["n_ctx"], "n_vocab": state.session.n_vocab
+                     if state.session is not None else 0}}
+
+
+async def models(state: ServerState, request: Request) -> Response:
+    entry = _entry(state)
+    return Response.json({"object": "list", "data": [entry] if entry else []})
+
+
+def _find(state: ServerState, name: str) -> dict[str, Any]:
+    entry = _entry(state)
+    if entry is None or entry["id"] != name:
+        served = f"it serves {entry['id']}" if entry else "no model is loaded"
+        raise HTTPError(404, "not_found", f"This server does not serve {name[:200]!r}: {served}.")
+    return entry
+
+
+async def model(state: ServerState, request: Request) -> Response:
+    return Response.json(_find(state, request.path_params.get("id", "")))
+
+
+def _details(session: Session) -> dict[str, Any]:
+    return {"parent_model": "", "format": "gguf", "family": session.arch,
+            "families": [session.arch], "parameter_size": "", "quantization_level": ""}
+
+
+def _capabilities(session: Session) -> list[str]:
+    return ["completion", *(["tools"] if session.tool_framing else [])]
+
+
+async def ollama_tags(state: ServerState, request: Request) -> Response:
+    entry, session = _entry(state), state.session
+    listed = []
+    if entry is not None and session is not None:
+        try:
+            size = session.path.stat().st_size
+        except OSError:
+            size = 0
+        listed.append({"name": entry["id"], "model": entry["id"], "modified_at": "",
+                       "size": size, "digest": "", "type": "model", "description": "",
+                       "tags": [""], "capabilities": _capabilities(session), "parameters": "",
+                       "details": _details(session)})
+    return Response.json({"models": listed})
+
+
+class ShowBody(wire.Wire):
+    model: StrictStr | None = None
+    name: StrictStr | None = None
+
+
+async def ollama_show(state: ServerState, request: Request) -> Response:
+    body = wire.parse(ShowBody, request.json_object())
+    name = body.model if body.model is not None else body.name
+    if name is None:
+        raise invalid_request("`model` is required.")
+    _find(state, name)
+    session = await ready_session(state)
+    return Response.json({
+        "template": session.template_text, "modified_at": "", "modelfile": "",
+        "parameters": "", "details": _details(session),
+        "model_info": {"general.architecture": session.arch,
+                       f"{session.arch}.context_length": session.n_ctx},
+        "capabilities": _capabilities(session)})

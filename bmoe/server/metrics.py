@@ -1,0 +1,123 @@
+"""`GET /metrics`: llama-server's Prometheus metrics, plus the expert cache's.
+
+Theory of operation
+-------------------
+`Metrics.book` adds one finished generation (any route: chat, Messages, Responses,
+/completion) to plain counters when its turn ends, on the trio thread. A scrape reads
+those counters, the turn line and the expert streamer's totals at that moment through
+a `prometheus_client` collector, and `prometheus_client` writes the text exposition
+format (names, `# HELP`/`# TYPE`, escaping): nothing here formats it by hand.
+
+The names are llama-server's (`llamacpp:prompt_tokens_total`, ...), so its dashboards
+read ours; bmoe's own figures are `bmoe:`-prefixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0          # prompt tokens computed (the KV's reused prefix not counted)
+    prompt_seconds: float = 0.0
+    tokens_predicted: int = 0
+    predicted_seconds: float = 0.0
+    n_decode: int = 0               # llama_decode calls: one per prefill chunk and per token
+    requests: int = 0
+    last_prompt_tps: float = 0.0
+    last_predicted_tps: float = 0.0
+
+    def book(self, gen: Any) -> None:
+        """One generation's counts (a `bmoe.engine.session.Generation`)."""
+        n_out = len(gen.tokens)
+        self.requests += 1
+        self.prompt_tokens += gen.n_prefilled
+        self.prompt_seconds += gen.prefill_s
+        self.tokens_predicted += n_out
+        self.predicted_seconds += gen.decode_s
+        chunk = 512
+        self.n_decode += -(-gen.n_prefilled // chunk) + max(0, n_out - 1)
+        if gen.prefill_s > 0 and gen.n_prefilled:
+            self.last_prompt_tps = gen.n_prefilled / gen.prefill_s
+        if gen.decode_s > 0 and n_out:
+            self.last_predicted_tps = n_out / gen.decode_s
+
+
+class _Collector(Collector):
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.state
+        m: Metrics = state.metrics
+        yield _counter("prompt_tokens", "Number of prompt tokens processed.", m.prompt_tokens)
+        yield _counter("prompt_seconds", "Prompt process time.", m.prompt_seconds)
+        yield _counter("tokens_predicted", "Number of generation tokens processed.",
+                       m.tokens_predicted)
+        yield _counter("tokens_predicted_seconds", "Predict process time.", m.predicted_seconds)
+        yield _counter("n_decode", "Total number of llama_decode() calls.", m.n_decode)
+        yield _gauge("n_busy_slots_per_decode", "Average number of busy slots per "
+                     "llama_decode() call.", 1.0 if m.n_decode else 0.0)
+        yield _gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                     m.last_prompt_tps)
+        yield _gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                     m.last_predicted_tps)
+        session = state.session
+        kv = len(session.kv_tokens) if session is not None else 0
+        n_ctx = session.n_ctx if session is not None else 0
+        yield _gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+                     kv / n_ctx if n_ctx else 0.0)
+        yield _gauge("kv_cache_tokens", "KV-cache tokens.", kv)
+        yield _gauge("requests_processing", "Number of requests processing.",
+                     1 if state.generating else 0)
+        yield _gauge("requests_deferred", "Number of requests deferred.", state.turns.waiting)
+        yield from _expert_metrics(session)
+
+
+def _counter(name: str, doc: str, value: float, prefix: str = "llamacpp:") -> Metric:
+    return CounterMetricFamily(prefix + name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float, prefix: str = "llamacpp:") -> Metric:
+    return GaugeMetricFamily(prefix + name, doc, value=value)
+
+
+def _expert_metrics(session: Any) -> Iterator[Metric]:
+    """The expert streamer's totals since the model loaded (zeros without one)."""
+    streamer = session.streamer if session is not None else None
+    stats = getattr(streamer, "stats", None)
+    s: dict[str, Any] = stats() if callable(stats) else {}
+    b = "bmoe:"
+    yield _counter("expert_cache_hits", "Routed experts found in the expert cache.",
+                   s.get("hits", 0), b)
+    yield _counter("expert_cache_misses", "Routed experts read from storage.",
+                   s.get("misses", 0), b)
+    yield _counter("expert_read_bytes", "Bytes of expert weights read from storage.",
+                   s.get("read_bytes", 0), b)
+    yield _counter("expert_cache_evictions", "Experts evicted from the cache.",
+                   s.get("evictions", 0), b)
+    yield _counter("expert_cache_rereads", "Evicted experts that were read again.",
+                   s.get("rereads", 0), b)
+    yield _counter("expert_read_wait_seconds", "Seconds the decode waited on expert reads.",
+                   s.get("io_s", 0.0), b)
+    yield _gauge("expert_cache_resident_bytes", "Bytes of experts held in the cache.",
+                 s.get("resident_bytes", 0), b)
+    yield _gauge("expert_cache_budget_bytes", "The expert cache's budget in bytes.",
+                 s.get("budget_bytes", 0), b)
+    yield _gauge("expert_streaming", "1 when the model's experts stream from storage.",
+                 1 if streamer is not None else 0, b)
+
+
+def exposition(state: Any) -> bytes:
+    """The text exposition of every metric, as of now."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(state))
+    return generate_latest(registry)
