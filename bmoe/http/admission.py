@@ -6,7 +6,7 @@ Theory of operation
 A connection lives in two phases, over and over (keep-alive):
 
 * **reading** (no worker): it waits for a request and reads its head, under the head
-  deadline. Every accepted connection has its own cheap task for this, one of at most
+  deadline (from the head's first byte). Every accepted connection has its own cheap task for this, one of at most
   READERS (``Readers``).
 * **served** (a worker): once its head is whole and the access checks and the route
   have passed, the request waits for one of WORKERS workers (``Workers``), which reads

@@ -4,7 +4,7 @@ The loop, per request (keep-alive repeats it; ``start_next_cycle`` between):
 
     idle ── first byte ──► head ──► access + route ══► worker ──► body ──► handler ──► response
      │ KEEPALIVE_IDLE_S     └ HEAD_TIMEOUT_S (408) ┘  queued   └ BODY_* (408) ┘ watched   │ WRITE_TIMEOUT_S
-     │ (a new connection: HEAD_TIMEOUT_S from accept)                                     per write
+     │                                                                                    per write
      └─────────────── no worker held (admission.Seat) ───┘ └──── one worker held (admission.Workers) ────┘
 
 * Reading (``Connection.seat`` set): no worker is held. An idle connection may be closed
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -101,7 +102,7 @@ class Connection:
         self.seat = seat                  # held while reading (no worker); None while served
         self.ticket = ticket              # the request's place in the arrival order
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.MAX_HEADER_BYTES)
-        self.deadline = trio.current_time() + limits.HEAD_TIMEOUT_S   # a new connection's head
+        self.deadline = math.inf          # of the head or body being read
         self.served = 0                   # requests answered on this connection
         self.broken = False               # a write failed: nothing more can be sent
         self.peer_gone = False            # the reader saw the client leave
@@ -194,22 +195,20 @@ class Connection:
         return data if isinstance(data, bytes) else bytes(data)
 
     async def _await_request_start(self) -> bool:
-        """Wait, idle, for the next request's first byte; False to close instead. A new
-        connection waits until its head deadline, a kept-alive one KEEPALIVE_IDLE_S;
-        either may be closed sooner to seat a new connection (``Seat.idle``)."""
+        """Wait, idle, for the next request's first byte (KEEPALIVE_IDLE_S, or less when
+        the seat is taken back for a new connection: ``Seat.idle``); False to close.
+        The head deadline runs from that byte."""
         buffered, closed = self.h11.trailing_data
         if not (buffered or closed):
-            wait_until = self.deadline if not self.served else trio.current_time() + limits.KEEPALIVE_IDLE_S
             data = None
-            with trio.CancelScope(deadline=wait_until) as scope, self._idle(scope):
+            with trio.move_on_after(limits.KEEPALIVE_IDLE_S) as scope, self._idle(scope):
                 data = await self._receive_some()
             if data is None:
                 return False
             self.h11.receive_data(data)
-        if self.served:                   # the next request's head: from its first byte
-            self.deadline = trio.current_time() + limits.HEAD_TIMEOUT_S
-            if self.admission is not None:
-                self.ticket = self.admission.workers.ticket()
+        self.deadline = trio.current_time() + limits.HEAD_TIMEOUT_S
+        if self.served and self.admission is not None:
+            self.ticket = self.admission.workers.ticket()   # a new connection's: taken at accept
         return True
 
     def _idle(self, scope: trio.CancelScope) -> contextlib.AbstractContextManager[None]:

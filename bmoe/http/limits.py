@@ -32,11 +32,11 @@ RECV_BYTES = 64 * KIB                 # one receive_some() call
 MAX_QUERY_FIELDS = 1000               # name=value pairs in a query string: 400 past it
 
 # Time.
-HEAD_TIMEOUT_S = 5.0          # a whole request head: from accept on a new connection, from its first
-                              # byte on a kept-alive one (408, then closed)
+HEAD_TIMEOUT_S = 5.0          # a whole request head, from its first byte (408, then closed)
 BODY_GRACE_S = 10.0           # a body's deadline: this, plus what its bytes so far earn at the floor rate,
 BODY_FLOOR_BYTES_PER_S = 64 * KIB   # so at most BODY_GRACE_S + length / rate (408); 64 MiB: about 17 min
-KEEPALIVE_IDLE_S = 30.0       # an idle kept-alive connection waiting for its next request (holds no worker)
+KEEPALIVE_IDLE_S = 30.0       # an idle connection, new or kept-alive, waiting for a request (holds no
+                              # worker; closed sooner when its seat is taken back for a new connection)
 WRITE_TIMEOUT_S = 5.0         # one write to a client; a reader that stops reading is dropped after it
 LINGER_S = 2.0                # after refusing a request whose body is still arriving: drain, then close
 LINGER_BYTES = 64 * MIB       # ... at most this much of it

@@ -18,7 +18,7 @@ from bmoe.http.connection import body_deadline, serve_connection
 def test_a_peer_is_its_address_or_its_ipv6_64() -> None:
     assert peer_key("127.0.0.1") == "127.0.0.1"
     assert peer_key("::ffff:10.0.0.7") == "10.0.0.7"
-    assert peer_key("::1") == "::1/128" or peer_key("::1") == "::/64"
+    assert peer_key("::1") == "::/64"
     assert peer_key("2001:db8:1:2:aaaa::1") == peer_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
     assert peer_key("2001:db8:1:3::1") != peer_key("2001:db8:1:2::1")
     assert peer_key("fe80::1%eth0") == "fe80::/64"
@@ -116,14 +116,29 @@ def test_no_seat_when_none_is_idle() -> None:
 
 # --- deadlines on one connection --------------------------------------------------------
 
-def test_a_new_connection_that_sends_nothing_is_closed_at_the_head_deadline() -> None:
+def test_a_new_connection_that_sends_nothing_is_closed_when_idle_too_long() -> None:
     async def main() -> None:
         client, server = trio.testing.memory_stream_pair()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: serve_connection(make_app(), server))
             start = trio.current_time()
             assert await ResponseReader(client).read() is None
+            assert trio.current_time() - start == pytest.approx(limits.KEEPALIVE_IDLE_S)
+    run(main, autojump=True)
+
+
+def test_the_head_deadline_runs_from_the_first_byte() -> None:
+    async def main() -> None:
+        client, server = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(make_app(), server))
+            await trio.sleep(limits.KEEPALIVE_IDLE_S - 1)          # connected, idle
+            start = trio.current_time()
+            nursery.start_soon(trickle, client, GET_PING_BYTES[:-2], 1.0)
+            response = await ResponseReader(client).read()
+            assert response is not None and response.status == 408
             assert trio.current_time() - start == pytest.approx(limits.HEAD_TIMEOUT_S)
+            nursery.cancel_scope.cancel()
     run(main, autojump=True)
 
 
