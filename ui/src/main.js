@@ -54,6 +54,7 @@ class App {
       this.models.setConfig(config);
       this.chat.setThinkParam(params.find((p) => p.key === 'think'), config.values.think);
       this.onState(info);
+      this.models.library.refresh();
     } catch (e) {
       this.banner('start-error', e.message, 'error');
     }
@@ -88,6 +89,12 @@ class App {
         break;
       case 'log':
         this.models.addLog(data);
+        break;
+      case 'download':
+        this.models.library.download(data);
+        break;
+      case 'models_folders':
+        this.models.library.setListing(data);
         break;
       default:
         break;

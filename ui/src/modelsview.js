@@ -3,6 +3,7 @@
 
 import { h, byId, fill } from './dom.js';
 import { fmtSeconds } from './metrics.js';
+import { ModelsLibrary } from './modelslibrary.js';
 
 const STATE_TEXT = {
   empty: 'No model loaded',
@@ -48,11 +49,13 @@ export class ModelsView {
         h('label', { for: 'model-path', class: 'field-label', text: 'GGUF file on the server' }),
         h('div', { class: 'path-row' }, this.pathInput, this.loadButton, this.unloadButton),
         this.message),
+      this.libraryHost = h('div', { class: 'library', id: 'models-library' }),
       h('section', { class: 'card' },
         h('h3', { text: 'Server messages' }),
         this.log),
       this.forgetKey,
     );
+    this.library = new ModelsLibrary({ api: this.api, host: this.libraryHost });
   }
 
   setConfig(config) {
@@ -63,6 +66,7 @@ export class ModelsView {
 
   state(info) {
     this.info = info;
+    this.library.state(info);
     const s = info.state;
     if ((s === 'loading' || s === 'planning') && typeof info.load_elapsed_s === 'number') {
       this.clock = { elapsed: info.load_elapsed_s, at: performance.now() };
