@@ -162,7 +162,8 @@ class Seat:
         """While inside, this seat may be taken back by cancelling ``scope``."""
         self.drop_place()
         self.scope = scope
-        self.readers.idle[self] = None
+        if not self.gone:
+            self.readers.idle[self] = None
         try:
             yield
         finally:

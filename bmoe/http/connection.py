@@ -203,8 +203,8 @@ class Connection:
             data = None
             with trio.move_on_after(limits.KEEPALIVE_IDLE_S) as scope, self._idle(scope):
                 data = await self._receive_some()
-            if data is None:
-                return False
+            if data is None or (self.seat is not None and self.seat.gone):
+                return False              # idle too long, or the seat was taken back as bytes came
             self.h11.receive_data(data)
         self.deadline = trio.current_time() + limits.HEAD_TIMEOUT_S
         if self.served and self.admission is not None:

@@ -310,3 +310,25 @@ def test_a_refusal_is_answered_without_a_worker(monkeypatch: pytest.MonkeyPatch)
             assert (await reader.read()).status == 200
             nursery.cancel_scope.cancel()
     run(main)
+
+
+def test_an_idle_connection_is_closed_when_its_seat_is_taken_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "READERS", 1)
+    admission = Admission.from_limits()
+    app = make_app()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            client, server = trio.testing.memory_stream_pair()
+            seat = admission.readers.seat("10.0.0.1")
+            nursery.start_soon(lambda: serve_connection(app, server, admission=admission, seat=seat))
+            reader = ResponseReader(client)
+            await client.send_all(GET_PING_BYTES)
+            assert (await reader.read()).status == 200            # kept alive, idle, seated
+            await trio.testing.wait_all_tasks_blocked()
+            assert admission.readers.seat("10.0.0.2") is not None  # a newcomer takes the seat back
+            with trio.fail_after(1):
+                assert await reader.read() is None                # the idle one is closed
+            assert admission.readers.seated == 1
+            nursery.cancel_scope.cancel()
+    run(main)
