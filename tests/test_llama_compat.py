@@ -264,11 +264,33 @@ def test_openai_sdk_completions_strict(srv: ServerProcess) -> None:
 
 
 def test_openai_completions_refusals(srv: ServerProcess) -> None:
-    for extra in ({"echo": True}, {"suffix": "x"}, {"best_of": 2}, {"n": 2},
+    for extra in ({"echo": True}, {"suffix": "x"}, {"best_of": 2}, {"n": 17}, {"n": 0},
                   {"logprobs": 2}, {"prompt": ["a", "b"]}):
         status, payload = post(srv, "/v1/completions", {"prompt": "Hello", **extra})
         assert status == 400 and is_llama_error(payload, 400), (extra, payload)
         assert next(iter(extra)) in payload["error"]["message"]
+
+
+def test_n_choices_seeded_one_after_another(srv: ServerProcess) -> None:
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 1.5, "top_k": 0, "seed": 11}
+    status, one = post(srv, "/v1/completions", body)
+    status, three = post(srv, "/v1/completions", {**body, "n": 3})
+    assert status == 200, three
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert three["choices"][0]["text"] == one["choices"][0]["text"]
+    status, seed12 = post(srv, "/v1/completions", {**body, "seed": 12})
+    assert three["choices"][1]["text"] == seed12["choices"][0]["text"]
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert 3 <= three["usage"]["completion_tokens"] <= 18
+    chunks = stream_chunks(srv, "/v1/completions", {**body, "n": 2,
+                                                     "stream_options": {"include_usage": True}})
+    assert chunks[-1] == "[DONE]" and chunks.count("[DONE]") == 1
+    texts = ["", ""]
+    for c in chunks[:-1]:
+        for choice in c["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts[0] == one["choices"][0]["text"] and texts[1] == three["choices"][1]["text"]
+    assert chunks[-2]["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
 
 
 # -- tokenizer, template, props, slots, lookups --------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from dataclasses import replace
 from typing import Any
 
 from pydantic import StrictBool, StrictStr
@@ -40,6 +41,7 @@ from .state import ServerState
 from .turnevents import Failed, Finished, Ping, RawTokens, Shape, Started, TurnEvent, Waiting
 
 I32_MAX = 2**31 - 1
+N_CHOICES_MAX = 16               # n on /v1/completions: the turn line's waiting places
 PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)
 STOP_WORDS_MAX = 16
 STOP_WORD_CHARS_MAX = 256
@@ -217,8 +219,10 @@ def read_sampling(body: dict[str, Any]) -> Sampling:
     )
 
 
-def decode_completion(body: dict[str, Any], budget_field: str = "n_predict") -> TurnRequest:
-    """`POST /completion`'s body as a turn (400 naming the field otherwise)."""
+def decode_completion(body: dict[str, Any], budget_field: str = "n_predict",
+                      default_budget: int = -1) -> TurnRequest:
+    """`POST /completion`'s body as a turn (400 naming the field otherwise). Without a
+    budget the server's `n-predict` setting holds (`-n`, as llama-server's)."""
     parsed = wire.parse(CompletionBody, body)
     _refuse_unsupported(body)
     if parsed.post_sampling_probs:
@@ -226,7 +230,7 @@ def decode_completion(body: dict[str, Any], budget_field: str = "n_predict") -> 
                               "model's own probabilities.")
     prompt = read_prompt(body.get("prompt"))
     sampling = read_sampling(body)
-    n_predict = _integer(body, budget_field, -1, -1, I32_MAX)
+    n_predict = _integer(body, budget_field, default_budget, -1, I32_MAX)
     if n_predict == 0:
         raise invalid_request(f"`{budget_field}` 0 is not supported: ask for at least one "
                               "token, or -1 for no limit but the context.")
@@ -238,7 +242,7 @@ def decode_completion(body: dict[str, Any], budget_field: str = "n_predict") -> 
                        cache_prompt=parsed.cache_prompt is not False)
 
 
-def decode_openai(body: dict[str, Any]) -> TurnRequest:
+def decode_openai(body: dict[str, Any], default_budget: int = -1) -> TurnRequest:
     """`POST /v1/completions`: OpenAI's fields on the /completion path."""
     parsed = wire.parse(CompletionBody, body)
     if parsed.echo:
@@ -250,14 +254,12 @@ def decode_openai(body: dict[str, Any]) -> TurnRequest:
     if body.get("logprobs") is not None:
         raise invalid_request("`logprobs` is not supported on /v1/completions; use "
                               "`n_probs` on /completion.")
-    if _integer(body, "n", 1, 1, 1) != 1:
-        raise invalid_request("`n` above 1 is not supported.")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise invalid_request("`prompt` holds several prompts; send one prompt a request.")
     if body.get("n_predict") is None and body.get("max_tokens") is not None:
-        return decode_completion(body, "max_tokens")
-    return decode_completion(body)
+        return decode_completion(body, "max_tokens", default_budget)
+    return decode_completion(body, "n_predict", default_budget)
 
 
 # -- response -----------------------------------------------------------------------
@@ -442,19 +444,44 @@ class LlamaEncoder(_TextEncoder):
         return self.final(fin, self.text, streamed=False)
 
 
-class OpenAIEncoder(_TextEncoder):
-    """Turn events → OpenAI's `text_completion` JSON, or its chunks and `[DONE]`."""
+class Choices:
+    """What the choices of one request share: the id, and the usage (the prompt
+    counted once, every choice's completion tokens)."""
 
-    def __init__(self, req: TurnRequest, include_usage: bool) -> None:
-        super().__init__(req)
+    def __init__(self, n: int) -> None:
+        self.n = n
         self.id = "cmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.failed = False
+
+    def count(self, fin: Finished) -> None:
+        self.prompt_tokens = self.prompt_tokens or fin.n_prompt
+        self.completion_tokens += fin.n_output
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class OpenAIEncoder(_TextEncoder):
+    """Turn events → OpenAI's `text_completion` JSON, or its chunks and `[DONE]`; one
+    encoder per choice, the last of a stream ending it."""
+
+    def __init__(self, req: TurnRequest, include_usage: bool, index: int = 0,
+                 choices: Choices | None = None) -> None:
+        super().__init__(req)
+        self.choices = choices or Choices(1)
+        self.id, self.created = self.choices.id, self.choices.created
         self.include_usage = include_usage
+        self.index = index
+        self.last = index == self.choices.n - 1
 
     def _body(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "system_fingerprint": "bmoe",
-                "choices": [{"index": 0, "logprobs": None, **choice}]}
+                "choices": [{"index": self.index, "logprobs": None, **choice}]}
 
     def encode(self, ev: TurnEvent) -> bytes:
         early = self.keepalive(ev)
@@ -466,23 +493,27 @@ class OpenAIEncoder(_TextEncoder):
                 if text else b""
         if isinstance(ev, Finished):
             self.model = ev.model
+            self.choices.count(ev)
             out = sse_event(None, self._body({"text": self.rest(),
                                               "finish_reason": finish_reason(ev)}))
+            if not self.last:
+                return out
             if self.include_usage:
                 body = self._body({})
                 body["choices"] = []
-                body["usage"] = usage(ev)
+                body["usage"] = self.choices.usage()
                 out += sse_event(None, body)
             return out + sse_done()
         if isinstance(ev, Failed):
+            self.choices.failed = True
             return self.error_event(ev.error) + sse_done()
         return b""
 
     def whole(self, fin: Finished) -> dict[str, Any]:
         self.rest()
-        self.model = fin.model
+        self.model = fin.model                  # (`encode` counted it when it finished)
         body = self._body({"text": self.text, "finish_reason": finish_reason(fin)})
-        body["usage"] = usage(fin)
+        body["usage"] = self.choices.usage()
         body["timings"] = timings(fin)
         return body
 
@@ -491,14 +522,9 @@ def finish_reason(fin: Finished) -> str:
     return "length" if fin.finish == "length" else "stop"
 
 
-def usage(fin: Finished) -> dict[str, int]:
-    return {"prompt_tokens": fin.n_prompt, "completion_tokens": fin.n_output,
-            "total_tokens": fin.n_prompt + fin.n_output}
-
-
 # -- handlers -----------------------------------------------------------------------
 
-async def _whole(state: ServerState, req: TurnRequest, encoder: _TextEncoder) -> Response:
+async def _whole(state: ServerState, req: TurnRequest, encoder: _TextEncoder) -> dict[str, Any]:
     turn = turnservice.Turn(state, req)
 
     async def emit(ev: TurnEvent) -> None:
@@ -508,7 +534,7 @@ async def _whole(state: ServerState, req: TurnRequest, encoder: _TextEncoder) ->
         fin = await turnservice.drive(turn, emit, encoder.shape)
     finally:
         turn.close()
-    return Response.json(encoder.whole(fin))
+    return encoder.whole(fin)
 
 
 async def serve(state: ServerState, req: TurnRequest, encoder: _TextEncoder,
@@ -516,7 +542,7 @@ async def serve(state: ServerState, req: TurnRequest, encoder: _TextEncoder,
     turnservice.require_model(state)
     try:
         if not streaming:
-            return await _whole(state, req, encoder)
+            return Response.json(await _whole(state, req, encoder))
         turn = await turnservice.open_stream(state, req)
     except EngineError as e:
         raise engine_http_error(e) from None
@@ -524,9 +550,15 @@ async def serve(state: ServerState, req: TurnRequest, encoder: _TextEncoder,
                           headers=[("Cache-Control", "no-cache")], on_close=turn.close)
 
 
+def server_budget(state: ServerState) -> int:
+    """The `n-predict` setting as llama-server's default `n_predict` (0 there: -1)."""
+    value = state.config.values.get("n-predict")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else -1
+
+
 async def completion(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
-    req = decode_completion(body)
+    req = decode_completion(body, default_budget=server_budget(state))
     prompt = body.get("prompt")
     streaming = bool(body.get("stream"))
     encoder = LlamaEncoder(req, prompt if isinstance(prompt, str) else "",
@@ -534,10 +566,59 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
     return await serve(state, req, encoder, streaming)
 
 
+def choice_requests(req: TurnRequest, n: int) -> list[TurnRequest]:
+    """n choices of one prompt: choice i samples with the request's seed plus i (a
+    random seed stays random), so choice 0 is what n 1 answers."""
+    sampling = req.sampling or Sampling()
+    if sampling.seed == SEED_RANDOM:
+        return [req] * n
+    return [replace(req, sampling=sampling.with_seed((sampling.seed + i) % SEED_RANDOM))
+            for i in range(n)]
+
+
 async def openai_completion(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
-    req = decode_openai(body)
+    req = decode_openai(body, server_budget(state))
     opts = body.get("stream_options") or {}
-    encoder = OpenAIEncoder(req, bool(opts.get("include_usage")) if isinstance(opts, dict)
-                            else False)
-    return await serve(state, req, encoder, bool(body.get("stream")))
+    include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+    reqs = choice_requests(req, _integer(body, "n", 1, 1, N_CHOICES_MAX))
+    choices = Choices(len(reqs))
+    encoders = [OpenAIEncoder(r, include_usage, i, choices) for i, r in enumerate(reqs)]
+    if len(reqs) == 1:
+        return await serve(state, req, encoders[0], bool(body.get("stream")))
+    if body.get("stream"):
+        return await _stream_choices(state, reqs, encoders)
+    turnservice.require_model(state)
+    try:
+        answers = [await _whole(state, r, e) for r, e in zip(reqs, encoders, strict=True)]
+    except EngineError as e:
+        raise engine_http_error(e) from None
+    merged = answers[-1]
+    merged["choices"] = [a["choices"][0] for a in answers]
+    merged["timings"] = answers[0]["timings"]
+    return Response.json(merged)
+
+
+async def _stream_choices(state: ServerState, reqs: list[TurnRequest],
+                          encoders: list[OpenAIEncoder]) -> StreamResponse:
+    """n choices in one stream, one after another on the one session."""
+    turnservice.require_model(state)
+    try:
+        first = await turnservice.open_stream(state, reqs[0])
+    except EngineError as e:
+        raise engine_http_error(e) from None
+
+    async def produce(send: Any) -> None:
+        await turnservice.stream(first, encoders[0], send)
+        for req, encoder in zip(reqs[1:], encoders[1:], strict=True):
+            if encoders[0].choices.failed:
+                return
+            try:
+                turn = turnservice.Turn(state, req)
+            except HTTPError as e:
+                await send(encoder.error_event(e) + sse_done())
+                return
+            await turnservice.stream(turn, encoder, send)
+
+    return StreamResponse(produce=produce, headers=[("Cache-Control", "no-cache")],
+                          on_close=first.close)
