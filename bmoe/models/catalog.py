@@ -159,11 +159,14 @@ def entry_from_json(d: Any, *, added: bool, http_origin: str = "") -> tuple[Entr
         id=eid, title=title or eid,
         files=[CatalogFile(f["name"], int(f.get("bytes", 0)), f["url"], f.get("sha256") or "")
                for f in files],
-        quant=d.get("quant") if isinstance(d.get("quant"), str) else quant_of(names[0]),
-        blurb=d.get("blurb") if isinstance(d.get("blurb"), str) else "", added=added,
-        repo=d.get("repo") if isinstance(d.get("repo"), str) else "",
-        revision=d.get("revision") if isinstance(d.get("revision"), str) else "")
+        quant=_text(d, "quant") or quant_of(names[0]), blurb=_text(d, "blurb"), added=added,
+        repo=_text(d, "repo"), revision=_text(d, "revision"))
     return entry, ""
+
+
+def _text(d: dict[str, Any], key: str) -> str:
+    v = d.get(key)
+    return v if isinstance(v, str) else ""
 
 
 def load_shipped(path: Path = SHIPPED, http_origin: str = "") -> list[Entry]:

@@ -29,7 +29,6 @@ from .probe import (FIRST_READ, HEADER_CAP, MIB, Header, ModelProbe, Truncated, 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 SEARCH_LIMIT = 20
 MAX_QUERY = 200
-MAX_TREE_PAGES = 20
 
 _REPO_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 REPO_ID = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
@@ -173,7 +172,8 @@ def _tree_files(items: Any) -> list[RepoFile]:
         path = it.get("path")
         if not isinstance(path, str) or not path.lower().endswith(".gguf") or not valid_path(path):
             continue
-        lfs = it.get("lfs") if isinstance(it.get("lfs"), dict) else {}
+        lfs_raw = it.get("lfs")
+        lfs: dict[str, Any] = lfs_raw if isinstance(lfs_raw, dict) else {}
         size = lfs.get("size", it.get("size", 0))
         sha = lfs.get("oid") or lfs.get("sha256") or ""
         out.append(RepoFile(path, size if isinstance(size, int) and size >= 0 else 0,

@@ -89,7 +89,7 @@ class Header:
 
 
 class _Cursor:
-    def __init__(self, buf: bytes | memoryview) -> None:
+    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
         self.buf = memoryview(buf)
         self.pos = 0
 
@@ -177,7 +177,7 @@ def tensor_bytes(dims: Sequence[int], qtype: int) -> int:
     return count // block * size
 
 
-def parse_header(buf: bytes | memoryview) -> Header:
+def parse_header(buf: bytes | bytearray | memoryview) -> Header:
     """The header at the start of ``buf``; ``Truncated`` or ``Unreadable`` otherwise."""
     c = _Cursor(buf)
     c.need(4)
