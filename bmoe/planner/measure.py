@@ -1,0 +1,85 @@
+"""One measurement: probe the model, the compute, the storage and the memory, then plan.
+
+``measure(...)`` is blocking (a second or two of reads and matmuls) and is run in a
+worker thread by the server and inline by the CLI. ``progress(step, label, index,
+count)`` is called as each stage begins: the ``plan_progress`` events.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from .plan import Plan, PlanInputs, make_plan
+from .probes import (
+    ComputeFacts,
+    ModelFacts,
+    StorageFacts,
+    model_facts,
+    probe_compute,
+    probe_memory,
+    probe_storage,
+)
+from .routing import cost_path, read_costs, read_record, record_path
+
+Progress = Callable[[str, str, int, int], None]
+
+STEPS = (("model", "Reading the model's header"),
+         ("compute", "Measuring the matmul speed"),
+         ("storage", "Measuring the storage speed"),
+         ("memory", "Reading the memory this process may hold"),
+         ("rules", "Deciding the settings"))
+
+
+class PlanError(Exception):
+    """Nothing to plan (no model, or a file that is not one); the message is a sentence."""
+
+
+def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: list[str], *,
+            routing_dir: Path | None, loaded_held: int = 0, loaded_model: str = "",
+            progress: Progress | None = None,
+            cancel: threading.Event | None = None,
+            cached: tuple[ComputeFacts, StorageFacts] | None = None) -> Plan:
+    def step(i: int) -> None:
+        if progress is not None:
+            progress(STEPS[i][0], STEPS[i][1], i, len(STEPS))
+
+    step(0)
+    facts = model_facts(path)
+    _check_model(facts)
+    step(1)
+    compute = cached[0] if cached else probe_compute(facts, cancel=cancel)
+    step(2)
+    storage = cached[1] if cached else probe_storage(facts, cancel=cancel)
+    step(3)
+    memory = probe_memory(loaded_held)
+    step(4)
+    record, warning, costs = None, "", {}
+    if routing_dir is not None:
+        record, warning, costs = read_history(routing_dir, facts)
+    return make_plan(PlanInputs(facts, memory, storage, compute, dict(values),
+                                list(user_keys), record, warning, costs, loaded_model))
+
+
+def _check_model(facts: ModelFacts) -> None:
+    p = facts.probe
+    if not p.readable:
+        why = p.reason or "its header could not be read"
+        raise PlanError(f"{facts.name} cannot be planned for: {why}.")
+    if p.role != "model":
+        raise PlanError(f"{facts.name} is not a model to chat with, so there is nothing to "
+                        "plan.")
+
+
+def read_history(folder: Path, facts: ModelFacts) -> tuple[Any, str, dict[str, Any]]:
+    """The model's routing record (or a warning) and its measured decode costs."""
+    p = facts.probe
+    record, warning = None, ""
+    if p.is_moe and p.n_moe_layer and p.n_expert_used:
+        record, warning = read_record(record_path(folder, facts.path, facts.size),
+                                      size=facts.size, n_layer=p.n_moe_layer,
+                                      n_expert=p.n_expert, n_expert_used=p.n_expert_used)
+    costs, cost_warning = read_costs(cost_path(folder, facts.path, facts.size))
+    return record, warning or cost_warning, costs

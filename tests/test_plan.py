@@ -1,0 +1,239 @@
+"""The planner without a server: decisions, the cost model, routing records (hostile ones too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bmoe.engine import params
+from bmoe.models.probe import ModelProbe
+from bmoe.planner.plan import PlanInputs, make_plan
+from bmoe.planner.probes import MIB, ComputeFacts, MemoryFacts, ModelFacts, StorageFacts
+from bmoe.planner.routing import (
+    MAGIC,
+    append_record,
+    cost_key,
+    default_hit_rate,
+    lru_hit_rate,
+    read_record,
+    record_path,
+)
+
+GIB = 1 << 30
+
+
+def moe_facts(dense: int = 400 * MIB, experts: int = 4 * GIB, cycle: int = 256 * MIB,
+              layers: int = 24) -> ModelFacts:
+    p = ModelProbe(readable=True, arch="qwen3moe", role="model", block_count=layers,
+                   is_moe=True, n_expert=64, n_expert_used=4, n_layer=layers,
+                   n_moe_layer=layers, n_embd=1024, dense_bytes=dense, expert_bytes=experts,
+                   token_cycle_bytes=cycle, streamable=True)
+    kv = {"qwen3moe.attention.head_count": 8, "qwen3moe.attention.head_count_kv": 4,
+          "qwen3moe.attention.key_length": 128, "qwen3moe.context_length": 32768}
+    return ModelFacts(Path("/m/big-moe.gguf"), dense + experts, p, kv=kv)
+
+
+def dense_facts(size: int) -> ModelFacts:
+    p = ModelProbe(readable=True, arch="qwen3", role="model", block_count=8, n_layer=8,
+                   n_embd=1024, dense_bytes=size)
+    kv = {"qwen3.attention.head_count": 8, "qwen3.attention.head_count_kv": 4,
+          "qwen3.attention.key_length": 128, "qwen3.context_length": 32768}
+    return ModelFacts(Path("/m/dense.gguf"), size, p, kv=kv)
+
+
+def memory(budget: int, cgroup: bool = True) -> MemoryFacts:
+    return MemoryFacts(total=32 * GIB, available=16 * GIB if cgroup else budget,
+                       cgroup_limit=budget if cgroup else None,
+                       cgroup_headroom=budget if cgroup else None, loaded_held=0)
+
+
+STORAGE = StorageFacts(block=MIB, rates={1: 400 * MIB, 2: 700 * MIB, 4: 720 * MIB})
+COMPUTE = ComputeFacts(rates={1: 8 * GIB, 2: 14 * GIB}, type_name="f16")
+
+
+def plan_for(facts: ModelFacts, mem: MemoryFacts, user: dict | None = None, **kw):
+    values = params.defaults(server=True)
+    values.update(user or {})
+    return make_plan(PlanInputs(facts, mem, STORAGE, COMPUTE, values, list(user or {}), **kw))
+
+
+def test_a_moe_larger_than_memory_streams_with_a_cache_that_fits() -> None:
+    plan = plan_for(moe_facts(), memory(2 * GIB))
+    body = plan.to_json()
+    assert body["regime"] == "experts-stream"
+    cache = body["values"]["cache-mb"] * MIB
+    assert 256 * MIB <= cache <= 2 * GIB - 400 * MIB
+    held = body["memory"]["pools"][0]["held_bytes"]
+    assert held <= 2 * GIB
+    assert body["values"]["moe-stream"] is True
+    assert body["values"]["threads"] == 2 and body["values"]["io-threads"] == 2
+    assert "--cache-mb" in body["args"]
+    assert body["summary"]["sentence"].startswith("Experts stream from storage")
+    p = body["predicted"]
+    assert 0 < p["s_per_token"] < p["s_per_token_worst"]
+    assert 0 < p["cache_hit_pct"] < 100
+
+
+def test_decisions_have_labels_briefs_and_groups() -> None:
+    body = plan_for(moe_facts(), memory(2 * GIB)).to_json()
+    knobs = {d["knob"]: d for d in body["decisions"]}
+    assert knobs["cache-mb"]["label"] == params.param("cache-mb").label
+    assert knobs["regime"]["label"] == "Streaming mode"
+    assert knobs["storage-rate"]["label"] == "Storage speed"
+    assert knobs["memory-ledger"]["label"] == "Memory use"
+    for d in body["decisions"]:
+        assert set(d) >= {"knob", "label", "group", "value", "value_text", "source", "brief",
+                          "reason"}
+        assert len(d["brief"]) <= 120 and d["brief"]
+        assert d["group"] in ("set", "kept", "notes")
+        assert d["source"] in ("measured", "derived", "policy", "operator", "unprobed")
+    assert knobs["threads"]["source"] == "measured"
+    assert knobs["cache-mb"]["value_text"].endswith(("MiB", "GiB"))
+
+
+def test_a_dense_model_that_fits_is_resident() -> None:
+    body = plan_for(dense_facts(300 * MIB), memory(4 * GIB)).to_json()
+    assert body["regime"] == "resident"
+    assert "cache-mb" not in body["values"]
+    assert body["predicted"]["s_per_token"] > 0
+
+
+def test_a_dense_model_over_the_cap_will_not_fit() -> None:
+    plan = plan_for(dense_facts(3 * GIB), memory(1 * GIB))
+    assert plan.regime == "will_not_fit" and not plan.fits
+    assert plan.sentence.startswith("Will not fit:")
+    assert "MiB must stay resident" in plan.sentence
+    assert plan.to_json()["args"] == []
+
+
+def test_a_moe_whose_dense_part_exceeds_the_cap_will_not_fit() -> None:
+    plan = plan_for(moe_facts(dense=3 * GIB), memory(2 * GIB))
+    assert plan.regime == "will_not_fit"
+
+
+def test_user_keys_come_back_as_operator_and_are_never_changed() -> None:
+    user = {"threads": 1, "cache-mb": 700, "ctx-size": 4096, "io-threads": 3}
+    body = plan_for(moe_facts(), memory(2 * GIB), user).to_json()
+    knobs = {d["knob"]: d for d in body["decisions"]}
+    for key, value in user.items():
+        assert knobs[key]["source"] == "operator"
+        assert knobs[key]["group"] == "kept"
+        assert knobs[key]["value"] == value
+        assert key not in body["values"]
+
+
+def test_the_context_is_never_below_the_advice_unless_memory_forces_it() -> None:
+    body = plan_for(moe_facts(), memory(2 * GIB)).to_json()
+    assert body["values"]["ctx-size"] >= 16384
+    tight = plan_for(moe_facts(dense=400 * MIB, cycle=256 * MIB), memory(900 * MIB)).to_json()
+    ctx = {d["knob"]: d for d in tight["decisions"]}["ctx-size"]
+    if ctx["value"] < 16384:
+        assert "memory forces it" in ctx["brief"]
+
+
+def test_a_whole_machine_leaves_the_floor_to_other_programs() -> None:
+    caged = plan_for(moe_facts(), memory(4 * GIB)).to_json()["values"]["cache-mb"]
+    machine = plan_for(moe_facts(), memory(4 * GIB, cgroup=False)).to_json()
+    assert machine["values"]["cache-mb"] < caged
+
+
+def test_a_measured_decode_cost_prices_the_next_plan() -> None:
+    first = plan_for(moe_facts(), memory(2 * GIB))
+    values = {**params.defaults(server=True), **first.values}
+    costs = {cost_key(values): {"s_per_token": 0.5, "tokens": 40, "cache_hit_pct": 55.0}}
+    again = plan_for(moe_facts(), memory(2 * GIB), costs=costs).to_json()
+    notes = {d["knob"]: d for d in again["decisions"]}
+    assert notes["decode-cost"]["source"] == "measured"
+    assert again["predicted"]["s_per_token"] == 0.5
+
+
+# --- routing records ---------------------------------------------------------------------
+
+def rows(n: int, layers: int = 24, k: int = 4, n_expert: int = 64, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    hot = rng.choice(n_expert, size=12, replace=False)
+    out = []
+    for _ in range(n):
+        token = np.stack([rng.choice(hot if rng.random() < 0.7 else np.arange(n_expert),
+                                     size=k, replace=False) for _ in range(layers)])
+        out.append(token.astype(np.int32))
+    return out
+
+
+def shape(size: int = 1000) -> dict:
+    return {"size": size, "n_layer": 24, "n_expert": 64, "n_expert_used": 4}
+
+
+def test_a_routing_record_is_written_and_read_back(tmp_path: Path) -> None:
+    file = record_path(tmp_path, "/m/big-moe.gguf", 1000)
+    assert append_record(file, rows(100), model="big-moe.gguf", **shape()) == 100
+    assert append_record(file, rows(50, seed=1), model="big-moe.gguf", **shape()) == 150
+    rec, warning = read_record(file, **shape())
+    assert warning == "" and rec is not None and rec.tokens == 150
+    assert rec.ids.shape == (150, 24, 4)
+    assert lru_hit_rate(rec, 0) == 0.0
+    assert lru_hit_rate(rec, 24 * 64) > 0.9      # only first-use misses after the warm-up
+    small, big = lru_hit_rate(rec, 24 * 8), lru_hit_rate(rec, 24 * 24)
+    assert 0 < small < big < 1
+
+
+def test_the_plan_reads_its_hit_rate_off_the_record(tmp_path: Path) -> None:
+    file = record_path(tmp_path, "/m/big-moe.gguf", 1000)
+    append_record(file, rows(200), model="big-moe.gguf", **shape())
+    rec, _ = read_record(file, **shape())
+    body = plan_for(moe_facts(), memory(2 * GIB), record=rec).to_json()
+    curve = {d["knob"]: d for d in body["decisions"]}["hit-curve"]
+    assert curve["source"] == "measured" and "recorded routing" in curve["brief"]
+    without = plan_for(moe_facts(), memory(2 * GIB)).to_json()
+    curve = {d["knob"]: d for d in without["decisions"]}["hit-curve"]
+    assert curve["source"] == "policy" and "default curve" in curve["brief"]
+
+
+@pytest.mark.parametrize("damage", ["magic", "truncated", "padded", "header", "shape",
+                                    "ids", "tokens", "huge-header", "not-object"])
+def test_a_hostile_or_truncated_record_is_ignored_with_a_warning(
+        tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    file = tmp_path / "m.routing"
+    append_record(file, rows(40), model="m", **shape())
+    raw = file.read_bytes()
+    head_end = raw.index(b"\n", len(MAGIC))
+    head = json.loads(raw[len(MAGIC):head_end])
+    body = raw[head_end + 1:]
+    if damage == "magic":
+        raw = b"XXXX" + raw[4:]
+    elif damage == "truncated":
+        raw = raw[:-7]
+    elif damage == "padded":
+        raw = raw + b"\0\0"
+    elif damage == "header":
+        raw = MAGIC + b"{not json\n" + body
+    elif damage == "shape":
+        raw = MAGIC + json.dumps({**head, "n_layer": 12}).encode() + b"\n" + body
+    elif damage == "ids":
+        ids = np.frombuffer(body, "<u2").copy()
+        ids[5] = 9999
+        raw = raw[:head_end + 1] + ids.tobytes()
+    elif damage == "tokens":
+        raw = MAGIC + json.dumps({**head, "tokens": 10 ** 12}).encode() + b"\n" + body
+    elif damage == "huge-header":
+        raw = MAGIC + b"{" + b" " * 100000 + b"}\n" + body
+    elif damage == "not-object":
+        raw = MAGIC + b"[1, 2]\n" + body
+    file.write_bytes(raw)
+    with caplog.at_level("WARNING"):
+        rec, warning = read_record(file, **shape())
+    assert rec is None
+    assert "ignored" in warning and "routing record" in warning
+    assert any("ignored" in r.getMessage() for r in caplog.records)
+    # the next streamed run replaces it with a record that reads
+    assert append_record(file, rows(20), model="m", **shape()) == 20
+    assert read_record(file, **shape())[0] is not None
+
+
+def test_the_default_curve_is_stated() -> None:
+    assert default_hit_rate(100, 1000, 200) == 0.0          # below one token cycle
+    assert default_hit_rate(250, 1000, 100) == pytest.approx(0.5)
+    assert default_hit_rate(2000, 1000, 100) == 1.0
