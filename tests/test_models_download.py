@@ -5,6 +5,7 @@ cancel keeps the part and a second start resumes it; delete partial; delete in u
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -92,12 +93,12 @@ def test_a_cut_at_40_percent_resumes_from_the_part(
         srv: tuple[ServerProcess, Events], hub: tuple[Hub, dict[str, Any]]) -> None:
     s, ev = srv
     h, info = hub
-    h.fault(TINY, "tiny-moe-F32.gguf", drop_at=0.4, times=1)
+    size = info["moe"].stat().st_size
+    h.fault(TINY, "tiny-moe-F32.gguf", drop_at=0.4, times=1, rate=size // 3)
     eid = add(s, TINY, "tiny-moe-F32.gguf")
     start(s, eid)
     done = wait_download(ev, eid)
     assert done["state"] == "done", done
-    size = info["moe"].stat().st_size
     sent = h.sent[f"{TINY}/tiny-moe-F32.gguf"]
     assert sent - size < 0.65 * size, (sent, size)
     retried = [e for e in download_events(ev, eid) if e["state"] == "running" and e["error"]]
@@ -105,6 +106,9 @@ def test_a_cut_at_40_percent_resumes_from_the_part(
     ranges = [r["range"] for r in h.requests if r["path"].startswith("/cdn/") and r["range"]]
     assert ranges and ranges[-1] != "bytes=0-", ranges
     assert (models_dir(s) / "tiny-moe-F32.gguf").read_bytes() == info["moe"].read_bytes()
+    print(f"\nSENT {sent} bytes for a file of {size} (re-sent {sent - size})")
+    for e in download_events(ev, eid):
+        print("EVENT", json.dumps(e))
 
 
 def test_a_stall_times_out_and_is_retried(srv: tuple[ServerProcess, Events],

@@ -170,6 +170,7 @@ class Job:
             self.emit()
 
     async def _run(self) -> None:
+        self.file = self.entry.files[0].name
         self.emit()
         for f in self.entry.files:
             self.file = f.name
@@ -196,6 +197,7 @@ class Job:
             words = exit_words(code, status)
             if code == RANGE_REFUSED_EXIT and attempt < MAX_ATTEMPTS:
                 part.unlink(missing_ok=True)
+                self.received = self.done_bytes
                 self.error = f"{words}: starting {f.name} again from its first byte"
                 self.emit()
                 continue
@@ -203,6 +205,7 @@ class Job:
                 raise JobFailed(f"{f.name}: {words}" + (
                     f" (after {attempt} attempts)" if attempt > 1 else ""))
             wait = retry_wait(attempt)
+            self.received = self.done_bytes + size_of(part)
             self.error = f"{words}; trying again in {wait:.0f} s (attempt {attempt + 1} of " \
                          f"{MAX_ATTEMPTS})"
             self.rate = 0.0
@@ -212,6 +215,7 @@ class Job:
             raise JobFailed(f"{f.name}: the host sent {size_of(part)} bytes where the catalog "
                             f"says {f.bytes}; the partial file is kept")
         if f.sha256:
+            self.received = self.done_bytes + size_of(part)
             self.error = f"checking the SHA-256 of {f.name}"
             self.emit()
             digest = await trio.to_thread.run_sync(
