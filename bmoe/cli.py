@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per token to PATH")
     p.add_argument("--session", action="store_true",
                    help="keep the model loaded: JSON requests on stdin, one per line")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="the answer must be JSON matching the JSON schema in FILE")
+    p.add_argument("--grammar", metavar="FILE",
+                   help="the answer must match the llama.cpp GBNF grammar in FILE")
     params.add_cli_flags(p, server=False)
     return p
 
@@ -67,10 +71,41 @@ def main(argv: list[str] | None = None) -> int:
     if error:
         print("bmoe-cli: " + params.render(error, "flag"), file=sys.stderr)
         return 2
+    try:
+        constraint = read_constraint(args.json_schema, args.grammar)
+    except ValueError as e:
+        print(f"bmoe-cli: {e}", file=sys.stderr)
+        return 2
     out = Console(sys.stdout)
     if args.session:
-        return run_session(values, out, sys.stdin.buffer)
-    return generate_once(values, args.prompt, out, progress=args.progress, csv_path=args.csv)
+        return run_session(values, out, sys.stdin.buffer, constraint)
+    return generate_once(values, args.prompt, out, progress=args.progress, csv_path=args.csv,
+                         constraint=constraint)
+
+
+def read_constraint(schema_file: str | None, grammar_file: str | None) -> dict[str, Any]:
+    """The TurnRequest fields --json-schema / --grammar ask for (ValueError: a sentence)."""
+    if schema_file and grammar_file:
+        raise ValueError("give --json-schema or --grammar, not both")
+    if grammar_file:
+        return {"grammar": _read_text(grammar_file, "--grammar")}
+    if not schema_file:
+        return {}
+    try:
+        schema = json.loads(_read_text(schema_file, "--json-schema"))
+    except ValueError:
+        raise ValueError(f"--json-schema: {schema_file} is not JSON") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: {schema_file} must hold a JSON object schema")
+    return {"schema": schema or {"type": "object"}}
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: cannot read {path} ({e.__class__.__name__})") from None
 
 
 # --- output ------------------------------------------------------------------------------
@@ -190,7 +225,7 @@ class TurnSink:
 
 
 def generate_once(values: dict[str, Any], prompt: str, out: Console, *, progress: bool = False,
-                  csv_path: str | None = None) -> int:
+                  csv_path: str | None = None, constraint: dict[str, Any] | None = None) -> int:
     from .engine.errors import EngineError
     from .engine.turn import TurnRequest, prepare, run_turn
 
@@ -206,7 +241,7 @@ def generate_once(values: dict[str, Any], prompt: str, out: Console, *, progress
             csv_file.write(CSV_HEADER + "\n")
         req = TurnRequest(messages=[{"role": "user", "content": prompt}],
                           max_tokens=int(values.get("n-predict") or 0),
-                          think=bool(values.get("think", True)))
+                          think=bool(values.get("think", True)), **(constraint or {}))
         sink = TurnSink(out, progress, csv_file)
         result = run_turn(session, prepare(session, req), req, threading.Event(), sink.emit)
         streamer = session.streamer.summary() if session.streamer is not None else None
@@ -351,10 +386,12 @@ def read_requests(stdin: IO[bytes], requests: "queue.Queue[dict[str, Any] | None
 class SessionMode:
     """The main thread of `--session`: one request at a time on the loaded session."""
 
-    def __init__(self, session: Any, values: dict[str, Any], out: Console) -> None:
+    def __init__(self, session: Any, values: dict[str, Any], out: Console,
+                 constraint: dict[str, Any] | None = None) -> None:
         self.session = session
         self.values = values
         self.out = out
+        self.constraint = constraint or {}   # --json-schema / --grammar, for every answer
         self.inflight = InFlight()
         self.history: list[dict[str, Any]] = []
 
@@ -386,7 +423,8 @@ class SessionMode:
         if req["clear_kv"]:
             s.clear_kv()
         messages = [*history, {"role": "user", "content": req["prompt"]}]
-        turn = TurnRequest(messages=messages, max_tokens=req["n_predict"], think=req["think"])
+        turn = TurnRequest(messages=messages, max_tokens=req["n_predict"], think=req["think"],
+                           **self.constraint)
         prepared = prepare(s, turn)
         if req["n_predict"] and len(prepared.tokens) + req["n_predict"] > s.n_ctx:
             raise EngineError("context_full", f"the prompt ({len(prepared.tokens)} tokens) plus "
@@ -409,7 +447,8 @@ class SessionMode:
         self.out.tagged("BMOE_DECIDE", {"id": req["id"], **result.answer()})
 
 
-def run_session(values: dict[str, Any], out: Console, stdin: IO[bytes]) -> int:
+def run_session(values: dict[str, Any], out: Console, stdin: IO[bytes],
+                constraint: dict[str, Any] | None = None) -> int:
     from .engine.errors import EngineError
     try:
         session = open_session(values)
@@ -420,7 +459,7 @@ def run_session(values: dict[str, Any], out: Console, stdin: IO[bytes]) -> int:
     try:
         out.tagged("BMOE_READY", {"load_s": round(session.load_s, 3), "arch": session.arch,
                                   "n_ctx": session.n_ctx})
-        mode = SessionMode(session, values, out)
+        mode = SessionMode(session, values, out, constraint)
         requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
         reader = threading.Thread(target=read_requests, name="bmoe-stdin", daemon=True,
                                   args=(stdin, requests, mode.inflight, out, values))

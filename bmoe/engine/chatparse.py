@@ -18,7 +18,8 @@ template, never by the model's name):
         +------<think>--------+  +--- </think> with no opening tag:     +--<tool_call>--> call
                                       everything so far was reasoning
 
-Text is fed as decoded strings (``Utf8Decoder`` turns bytes into whole characters).
+Text is fed as decoded strings (the session decodes a token's bytes incrementally, so a
+split UTF-8 character arrives whole).
 Each mode looks for its markers; a tail that could still grow into a marker (``<thi``,
 ``<tool_``) is held back until the next piece decides it, so markup never shows as
 content. Text after a tool call opens is never content. Inside a call a framing
@@ -37,7 +38,6 @@ Everything here is pure: no I/O, no model.
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 import secrets
@@ -79,23 +79,6 @@ class ParseView:
     content: str = ""
     tool_calls: tuple[ToolCallView, ...] = ()
     fallback_raw: bool = False  # nothing parsed: content is the raw generated text
-
-
-# ---------------------------------------------------------------------------
-# Bytes to text
-
-
-class Utf8Decoder:
-    """Incremental UTF-8: returns whole characters, holds back a split one."""
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, data: bytes) -> str:
-        return self._decoder.decode(data, final=False)
-
-    def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
 
 
 # ---------------------------------------------------------------------------

@@ -5,16 +5,24 @@
 `invalid_output`, `failed`) or `no_vision`. Messages name settings with `{key}`
 placeholders from the parameter table; whoever shows the message renders them
 (labels in the server, flags in the CLI).
+
+The numbers a client decides on travel as fields, never only inside the text:
+`param` is the parameter key the failure is about (`ctx-size` for a full context),
+`n_prompt` and `n_ctx` the prompt's size and the context's for `context_full`.
 """
 
 from __future__ import annotations
 
 
 class EngineError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, param: str | None = None,
+                 n_prompt: int | None = None, n_ctx: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
 
     def __repr__(self) -> str:
         return f"EngineError({self.code!r}, {self.message!r})"
@@ -23,3 +31,11 @@ class EngineError(Exception):
 class LoadError(EngineError):
     def __init__(self, message: str) -> None:
         super().__init__("failed", message)
+
+
+def context_full(n_prompt: int, n_ctx: int) -> EngineError:
+    return EngineError(
+        "context_full",
+        f"The conversation is {n_prompt} tokens and the context ({{ctx-size}}) holds "
+        f"{n_ctx}: no room for an answer. Raise {{ctx-size}} or shorten the conversation.",
+        param="ctx-size", n_prompt=n_prompt, n_ctx=n_ctx)

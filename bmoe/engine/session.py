@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import logging
 import os
 import re
 import threading
@@ -28,9 +29,13 @@ from typing import Any, Callable, Protocol
 
 import llama_cpp as lc
 
-from .errors import EngineError, LoadError
+from .chatparse import detect_framing
+from .errors import EngineError, LoadError, context_full
 from .grammar_guard import GrammarRefused, check_grammar
-from .templating import ChatTemplate
+from .sampling import Sampling, build_chain, top_logprobs
+from .templating import ChatTemplate, TemplateError
+
+log = logging.getLogger("bmoe.chat")
 
 SEED_RANDOM = 4294967295
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -60,6 +65,8 @@ class TokenEvent:
     text: str            # decoded text of this token (UTF-8 held back to whole chars)
     wall_ms: float
     telemetry: dict[str, Any] = field(default_factory=dict)
+    logprob: float | None = None     # with `Sampling.n_probs`: this token's log-probability
+    top: list[tuple[int, float, bytes]] | None = None  # ... the most likely (id, logprob, piece)
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Generation:
     n_past: int                      # context used after the turn
     budget_cut_by_context: bool = False
     requested_budget: int = 0
+    stop_word: str = ""              # the `Sampling.stop` string that ended it, if one did
 
 
 _log_callback_ref = None
@@ -122,6 +130,7 @@ class Session:
         self.ctx = None
         self.streamer: Streamer | None = None
         self._batch = None
+        self.tool_framing: str | None = None
         try:
             self._open(streamer_factory)
         except BaseException:
@@ -199,6 +208,22 @@ class Session:
         self.template = (ChatTemplate(self.template_text, bos_token=self.bos_token,
                                       eos_token=self.eos_token)
                          if self.template_text else None)
+        self.tool_framing = self._find_tool_framing()
+
+    def _find_tool_framing(self) -> str | None:
+        """The template's tool-call framing (hermes, qwen3-coder), found by rendering a
+        sample call through it; None when it has none the parser knows."""
+        if self.template is None:
+            return None
+
+        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+            return self.render(messages, tools=tools, add_generation_prompt=False)
+
+        try:
+            return detect_framing(render)
+        except TemplateError as e:
+            log.warning("the chat template refused a sample tool call: %s", e)
+            return None
 
     def close(self) -> None:
         if self._batch is not None:
@@ -216,11 +241,13 @@ class Session:
 
     # -- text ----------------------------------------------------------------
 
-    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, special: bool = True,
+                 add_special: bool | None = None) -> list[int]:
         # JSON can carry an unpaired surrogate ("\\ud800"), which is not UTF-8; llama.cpp
         # must only ever see valid UTF-8, so each becomes U+FFFD as a decoder would.
         data = _LONE_SURROGATE.sub("\ufffd", text).encode("utf-8")
-        add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab)) if add_special is None \
+            else add_special
         cap = len(data) + 8
         buf = (lc.llama_token * cap)()
         n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
@@ -259,7 +286,7 @@ class Session:
         try:
             check_grammar(grammar, n_vocab=self.n_vocab)
         except GrammarRefused as e:
-            raise EngineError("invalid_request", f"grammar: {e}") from None
+            raise EngineError("invalid_request", f"grammar: {e}", param="grammar") from None
         if any(not 0 <= t < self.n_vocab for t in triggers):
             raise EngineError("invalid_request", "A grammar trigger is not a token of this "
                               "model.")
@@ -270,14 +297,18 @@ class Session:
         return lc.llama_sampler_init_grammar_lazy_patterns(
             self.vocab, grammar.encode(), b"root", None, 0, toks, len(triggers))
 
-    def _sampler(self, grammar: str | None, triggers: list[int] | None = None) -> Any:
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    def _sampler(self, grammar: str | None, triggers: list[int] | None = None,
+                 sampling: Sampling | None = None, prompt: list[int] | None = None) -> Any:
+        g = None
         if grammar:
             g = self._grammar_sampler(grammar, triggers or [])
             if not g:
-                lc.llama_sampler_free(chain)
                 raise EngineError("invalid_request", "The output grammar could not be built "
                                   "from this schema or tool list.")
+        if sampling is not None:        # a request's own sampling (llama-server's routes)
+            return build_chain(self, sampling, g, prompt or [])
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if g is not None:
             lc.llama_sampler_chain_add(chain, g)
         temp = float(self.values.get("temp") or 0.0)
         if temp <= 0:
@@ -358,7 +389,8 @@ class Session:
 
     def generate(self, prompt: list[int], *, max_tokens: int, cancel: threading.Event,
                  on_token: Callable[[TokenEvent], None], grammar: str | None = None,
-                 grammar_triggers: list[int] | None = None) -> Generation:
+                 grammar_triggers: list[int] | None = None,
+                 sampling: Sampling | None = None) -> Generation:
         """Prefill `prompt` (reusing the KV prefix) and decode up to `max_tokens` tokens.
 
         `max_tokens` 0 means no ceiling but the context. Raises EngineError before any
@@ -368,12 +400,9 @@ class Session:
             raise EngineError("empty_prompt", "The prompt is empty.")
         room = self.n_ctx - len(prompt)
         if room <= 0:
-            raise EngineError("context_full",
-                              f"The prompt is {len(prompt)} tokens and the context ({{ctx-size}}) "
-                              f"holds {self.n_ctx}: no room for an answer. Raise {{ctx-size}} "
-                              "or shorten the conversation.")
+            raise context_full(len(prompt), self.n_ctx)
         budget = room if max_tokens <= 0 else min(max_tokens, room)
-        sampler = self._sampler(grammar, grammar_triggers)
+        sampler = self._sampler(grammar, grammar_triggers, sampling, prompt)
         t_start = time.monotonic()
         try:
             try:
@@ -382,13 +411,16 @@ class Session:
                 return Generation("cancelled", [], "", len(prompt), 0, 0,
                                   time.monotonic() - t_start, 0.0, 0.0, len(self.kv_tokens))
             return self._decode_loop(prompt, budget, max_tokens, reused, prefill_s, t_start,
-                                     sampler, cancel, on_token)
+                                     sampler, cancel, on_token, sampling)
         finally:
             lc.llama_sampler_free(sampler)
 
     def _decode_loop(self, prompt: list[int], budget: int, max_tokens: int, reused: int,
                      prefill_s: float, t_start: float, sampler: Any, cancel: threading.Event,
-                     on_token: Callable[[TokenEvent], None]) -> Generation:
+                     on_token: Callable[[TokenEvent], None],
+                     sampling: Sampling | None = None) -> Generation:
+        n_probs = sampling.n_probs if sampling is not None else 0
+        stops = _StopWatch(sampling.stop if sampling is not None else ())
         out: list[int] = []
         pieces: list[str] = []
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -405,12 +437,17 @@ class Session:
                 if self.streamer is not None:
                     self.streamer.token_begin()
                 tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
+                probs = top_logprobs(self.logits_row(), tok, n_probs) if n_probs else None
                 if self.is_eog(tok):
                     finish = "stop"
                     break
                 out.append(tok)
                 text = decoder.decode(self.token_bytes(tok))
                 pieces.append(text)
+                if stops.feed(text):
+                    finish = "stop"
+                    self._emit(on_token, len(out), tok, text, t0, budget, probs)
+                    break
                 if len(out) < budget:
                     try:
                         self._decode([tok], len(self.kv_tokens), want_logits=True)
@@ -419,12 +456,12 @@ class Session:
                         finish = "cancelled"
                         # the sampled token was shown to nobody yet: report it, but the
                         # KV does not hold it.
-                        self._emit(on_token, len(out), tok, text, t0, budget)
+                        self._emit(on_token, len(out), tok, text, t0, budget, probs)
                         break
                     self.kv_tokens.append(tok)
                 if not ttft:
                     ttft = time.monotonic() - t_start
-                self._emit(on_token, len(out), tok, text, t0, budget)
+                self._emit(on_token, len(out), tok, text, t0, budget, probs)
         finally:
             self._abort_flag = None
         tail = decoder.decode(b"", final=True)
@@ -436,14 +473,18 @@ class Session:
             n_cached=reused, n_prefilled=len(prompt) - reused, prefill_s=prefill_s,
             decode_s=time.monotonic() - t_decode, ttft_s=ttft, n_past=n_past,
             budget_cut_by_context=(finish == "length" and (max_tokens <= 0 or max_tokens > budget)),
-            requested_budget=max_tokens,
+            requested_budget=max_tokens, stop_word=stops.word,
         )
 
     def _emit(self, on_token: Callable[[TokenEvent], None], step: int, tok: int, text: str,
-              t0: float, budget: int) -> None:
+              t0: float, budget: int,
+              probs: tuple[float, list[tuple[int, float]]] | None = None) -> None:
         telemetry = self.streamer.token_end() if self.streamer is not None else {}
         on_token(TokenEvent(step=step, token=tok, text=text,
-                            wall_ms=(time.monotonic() - t0) * 1000.0, telemetry=telemetry))
+                            wall_ms=(time.monotonic() - t0) * 1000.0, telemetry=telemetry,
+                            logprob=probs[0] if probs else None,
+                            top=[(t, lp, self.token_bytes(t)) for t, lp in probs[1]]
+                            if probs else None))
 
     def logits_row(self) -> Any:
         """The last decoded position's logits as a numpy array (a copy)."""
@@ -463,6 +504,26 @@ class Session:
 
 
 _NO_ABORT = ctypes.cast(None, lc.ggml_abort_callback)
+
+
+class _StopWatch:
+    """Whether the text so far holds one of the stop strings (`Sampling.stop`)."""
+
+    def __init__(self, words: tuple[str, ...]) -> None:
+        self.words = [w for w in words if w]
+        self.keep = max((len(w) for w in self.words), default=0)
+        self.tail = ""
+        self.word = ""
+
+    def feed(self, text: str) -> bool:
+        if not self.words or not text:
+            return False
+        self.tail = (self.tail + text)[-(self.keep + len(text)):]
+        hits = [(self.tail.find(w), w) for w in self.words if w in self.tail]
+        if hits:
+            self.word = min(hits)[1]
+        self.tail = self.tail[-self.keep:]
+        return bool(hits)
 
 
 class _Aborted(Exception):

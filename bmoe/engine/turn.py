@@ -1,22 +1,31 @@
-"""The engine-level turn: what every protocol adapter builds, and its runner.
+"""The engine-level turn: what every protocol's decoder builds, and its runner.
 
 A `TurnRequest` is protocol-free: the conversation as the chat template reads it,
-the tools, the tool choice, the token budget, the thinking switch and an output
-schema. `run_turn` executes one on the engine thread: render, tokenize, check the
-context, build the grammar, generate, and hand each token to `emit`.
+the tools, the tool choice, the token budget, the thinking switch, an output schema
+or a llama.cpp grammar. The engine owns every decision that follows from it:
+`prepare` renders, tokenizes, checks the context and picks the grammar (a forced
+call, a lazy call grammar for `auto`, a schema, the caller's GBNF) from the
+session's tool-call framing, found at load; `run_turn` generates on the engine
+thread and hands each token to `emit`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import EngineError
+from . import grammar as gbnf
+from .chatparse import CALL_OPEN
+from .errors import EngineError, context_full
+from .sampling import Sampling, check_tokens
 from .session import Generation, Session, TokenEvent
 from .telemetry import ProcessProbe, token_record
 from .templating import TemplateError
+
+log = logging.getLogger("bmoe.chat")
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -27,12 +36,31 @@ class TurnRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None      # OpenAI function tools, as the template reads them
     tool_choice: str = "auto"                        # auto | none | required
+    named_tool: str | None = None                    # required: the one tool the call must name
     max_tokens: int = 0                              # 0 = no ceiling but the context
     think: bool = True
     schema: dict[str, Any] | None = None             # JSON schema for the answer
     grammar: str | None = None                       # a GBNF the answer must match (llama.cpp's field)
-    grammar_tools: list[dict[str, Any]] | None = None  # the tools a required call may name
     parallel_calls: bool = False                     # a required turn may make several calls
+    # llama-server's /completion: a raw prompt (strings and token ids, no chat template),
+    # the request's own sampling, and whether the KV prefix may be reused.
+    raw_prompt: list[str | int] | None = None
+    sampling: Sampling | None = None
+    cache_prompt: bool = True
+
+    def conflict(self) -> str | None:
+        """Why these choices cannot hold together (a sentence), or None."""
+        required = self.tool_choice == "required"
+        if self.schema is not None and required:
+            return "An output schema cannot be combined with a required tool call."
+        if self.grammar is not None and (self.schema is not None or required):
+            return ("`grammar` cannot be combined with an output schema or a required "
+                    "tool call.")
+        return None
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the template describes: none when the choice is "none"."""
+        return self.tools if self.tools and self.tool_choice != "none" else None
 
 
 @dataclass
@@ -59,26 +87,22 @@ def ends_inside_think(prompt_text: str) -> bool:
     return i >= 0 and prompt_text.find(THINK_CLOSE, i) < 0
 
 
-def prepare(session: Session, req: TurnRequest,
-            grammar_for: Callable[[Session, TurnRequest, str | None, bool], "str | LazyGrammar | None"] | None = None
-            ) -> Prepared:
-    tools = req.tools if req.tools and req.tool_choice != "none" else None
+def prepare(session: Session, req: TurnRequest) -> Prepared:
+    """Render, tokenize, check the context and pick the grammar (engine thread)."""
+    if req.raw_prompt is not None:
+        return _prepare_raw(session, req, req.raw_prompt)
     try:
-        text = session.render(req.messages, tools=tools, enable_thinking=req.think)
+        text = session.render(req.messages, tools=req.offered_tools(), enable_thinking=req.think)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e
     tokens = session.tokenize(text)
     if not tokens:
         raise EngineError("empty_prompt", "The conversation rendered to an empty prompt.")
     if len(tokens) >= session.n_ctx:
-        raise EngineError(
-            "context_full",
-            f"The conversation is {len(tokens)} tokens and the context ({{ctx-size}}) holds "
-            f"{session.n_ctx}: no room for an answer. Raise {{ctx-size}} or shorten the "
-            "conversation.")
+        raise context_full(len(tokens), session.n_ctx)
     starts = req.think and ends_inside_think(text)
-    framing = getattr(session, "tool_framing", None)
-    grammar = grammar_for(session, req, framing, starts) if grammar_for else None
+    framing = session.tool_framing if req.offered_tools() else None
+    grammar = choose_grammar(req, session.tool_framing, starts)
     triggers: list[int] = []
     if isinstance(grammar, LazyGrammar):
         triggers = [t for word in grammar.triggers for t in _single_token(session, word)]
@@ -86,6 +110,76 @@ def prepare(session: Session, req: TurnRequest,
     room = session.n_ctx - len(tokens)
     steps = room if req.max_tokens <= 0 else min(req.max_tokens, room)
     return Prepared(text, tokens, starts, framing, grammar, steps, triggers)
+
+
+def raw_tokens(session: Session, parts: list[str | int]) -> list[int]:
+    """A llama-server prompt's ids: strings tokenized (special tokens parsed, the
+    vocabulary's BOS only before a leading string), ids checked against the vocabulary."""
+    check_tokens([p for p in parts if isinstance(p, int)], session.n_vocab, "prompt")
+    tokens: list[int] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            tokens.append(part)
+        elif i == 0:
+            tokens += session.tokenize(part)
+        else:
+            tokens += session.tokenize(part, add_special=False)
+    return tokens
+
+
+def _prepare_raw(session: Session, req: TurnRequest, parts: list[str | int]) -> Prepared:
+    tokens = raw_tokens(session, parts)
+    if not tokens:
+        raise EngineError("empty_prompt", "The prompt is empty.")
+    if len(tokens) >= session.n_ctx:
+        raise context_full(len(tokens), session.n_ctx)
+    grammar = choose_grammar(req, None, False)
+    if isinstance(grammar, LazyGrammar):
+        grammar = None
+    room = session.n_ctx - len(tokens)
+    steps = room if req.max_tokens <= 0 else min(req.max_tokens, room)
+    return Prepared("", tokens, False, None, grammar, steps)
+
+
+def choose_grammar(req: TurnRequest, framing: str | None,
+                   starts_in_reasoning: bool) -> "str | LazyGrammar | None":
+    """The grammar a turn needs: a forced call (required / named tool), the answer's
+    schema, the caller's GBNF, or a lazy call grammar for `auto`. A schema the grammar
+    builder refuses is an `invalid_request`, with the field it names."""
+    try:
+        if req.tool_choice == "required" and req.tools:
+            if framing is None:
+                raise EngineError("template_rejected", "This model's chat template has no tool-"
+                                  "call format the server knows, so a call cannot be required.")
+            tools = [t for t in req.tools if t["function"]["name"] == req.named_tool] \
+                if req.named_tool else req.tools
+            return gbnf.tool_call_grammar(framing, tools, allow_reasoning=req.think,
+                                          starts_in_reasoning=starts_in_reasoning,
+                                          parallel=req.parallel_calls)
+        if req.schema is not None:
+            # An answer schema constrains the answer, not the reasoning before it.
+            return gbnf.json_schema_grammar(req.schema, allow_reasoning=req.think,
+                                            starts_in_reasoning=starts_in_reasoning)
+        if req.grammar:
+            return req.grammar
+        if req.tools and req.tool_choice == "auto" and framing is not None:
+            return _lazy_call_grammar(framing, req.tools)
+    except ValueError as e:
+        raise EngineError("invalid_request", str(e), param=getattr(e, "path", None)) from None
+    return None
+
+
+def _lazy_call_grammar(framing: str, tools: list[dict[str, Any]]) -> "LazyGrammar | None":
+    """Free text, until the model opens a call: from there the call must name an offered
+    tool with arguments that match it (as llama.cpp's server does). A tool list the grammar
+    cannot express leaves the calls unconstrained rather than refusing a turn that may
+    never call a tool."""
+    try:
+        text = gbnf.tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True)
+    except ValueError as e:
+        log.warning("tool calls will not be held to a grammar: %s", e)
+        return None
+    return LazyGrammar(text, [CALL_OPEN])
 
 
 @dataclass
@@ -118,9 +212,11 @@ def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: thr
         last.update(rec)
         emit(ev, rec)
 
+    if not req.cache_prompt:
+        session.clear_kv()
     gen = session.generate(prepared.tokens, max_tokens=req.max_tokens, cancel=cancel,
                            on_token=on_token, grammar=prepared.grammar,
-                           grammar_triggers=prepared.grammar_triggers)
+                           grammar_triggers=prepared.grammar_triggers, sampling=req.sampling)
     summary = summarize(session, gen, sums, last, time.monotonic() - t0)
     return TurnResult(prepared, gen, summary)
 

@@ -14,8 +14,8 @@ A request becomes the same `TurnRequest` as `/v1/chat/completions` builds:
 * An assistant message's ``thinking`` blocks become its ``reasoning_content``,
   ``tool_use`` blocks its ``tool_calls``; ``redacted_thinking`` is skipped.
 
-The answer runs through `TurnRun` like a chat turn. A non-streaming answer is built
-from the parser's final view. A streaming one is built from `AppendOnlyStream`'s block
+The answer runs through the turn service (`turnservice.serve`) with `MessagesEncoder`.
+A non-streaming answer is built from the parser's final view. A streaming one is built from `AppendOnlyStream`'s block
 events (the protocol cannot take text back): each block is a
 ``content_block_start`` / ``_delta`` / ``_stop`` triple, a thinking block closed by
 an empty ``signature_delta``. Errors take this protocol's shape (`shapes.py` for a
@@ -27,22 +27,20 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import secrets
 from typing import Any
 
-from ..engine.chatparse import AppendOnlyStream, BlockClose, BlockEvent, BlockOpen, ParseView
+from ..engine.chatparse import BlockAppend, BlockClose, BlockEvent, BlockOpen, ParseView
 from ..engine.errors import EngineError
-from ..engine.turn import TurnRequest, TurnResult
+from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_event
-from ..http.types import Request, Response, Send, StreamResponse
-from . import chatreq
-from .chatoutput import (TurnOutput, check_json_answer, engine_http_error, open_stream_turn,
-                         require_model, run_whole)
-from .shapes import anthropic_error
+from ..http.types import Request, Response, StreamResponse
+from . import chatreq, turnservice, wire
+from .shapes import anthropic_error, engine_http_error
 from .state import ServerState
-from .turnrunner import Batch, TurnRun
+from .turnevents import (Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting,
+                         opens_tool_call)
 from .validate import field, object_list, required
 
 log = logging.getLogger("bmoe.anthropic")
@@ -51,7 +49,6 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 TOO_LONG = "prompt is too long: "
 BYTES_PER_TOKEN = 3          # count_tokens' estimate: on the high side for code and JSON
 TOKENS_PER_MESSAGE = 4       # ... plus the role markup around each message
-_CTX_NUMBERS = re.compile(r"is (\d+) tokens and the context .*? holds (\d+)")
 
 
 # -- request ------------------------------------------------------------------
@@ -243,8 +240,8 @@ def tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str 
     return "required", name
 
 
-def _think(state: ServerState, raw: Any) -> bool:
-    values, user_keys = state.config.values, state.config.user_keys
+def _think(config: Any, raw: Any) -> bool:
+    values, user_keys = config.values, config.user_keys
     if raw is None:
         return chatreq.thinking(values, user_keys)
     if not isinstance(raw, dict) or raw.get("type") not in ("enabled", "adaptive", "disabled"):
@@ -266,31 +263,26 @@ def _output_schema(raw: Any) -> dict[str, Any] | None:
         {"type": "object"}
 
 
-def read_turn(state: ServerState, body: dict[str, Any]) -> tuple[TurnRequest, int]:
+def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, int]:
     """The turn a body asks for and the images it carries: every field checked, no model
     needed (count_tokens reads the same body)."""
     chatreq.refuse_lone_surrogates(body)
+    wire.parse(wire.MessagesBody, body)
     messages, n_images = convert_messages(body)
     chatreq.count_images(n_images)
     tools = convert_tools(body.get("tools"))
     choice, named = tool_choice(body.get("tool_choice"), tools)
     schema = _output_schema(body.get("output_config"))
-    if schema is not None and choice == "required":
-        raise invalid_request("An output schema cannot be combined with a required tool call "
-                              "(`tool_choice` \"any\" or \"tool\").")
-    budget = chatreq.budget(body.get("max_tokens"), "max_tokens", state.config.values)
-    field(body, "stream", bool, False)
-    req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, max_tokens=budget,
-                      think=_think(state, body.get("thinking")), schema=schema)
-    req.grammar_tools = (  # type: ignore[attr-defined]
-        [t for t in tools if t["function"]["name"] == named] if named and tools else None)
-    return req, n_images
+    budget = chatreq.budget(body.get("max_tokens"), "max_tokens", config.values)
+    req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
+                      max_tokens=budget, think=_think(config, body.get("thinking")),
+                      schema=schema)
+    return chatreq.checked(req, "(`tool_choice` \"any\" or \"tool\")"), n_images
 
 
-def build_turn(state: ServerState, body: dict[str, Any]) -> TurnRequest:
-    req, n_images = read_turn(state, body)
-    if n_images:
-        raise chatreq.no_vision()
+def decode(body: dict[str, Any], config: Any) -> TurnRequest:
+    req, n_images = read_turn(body, config)
+    chatreq.check_images(n_images)
     return req
 
 
@@ -309,23 +301,21 @@ def estimate_tokens(req: TurnRequest) -> int:
 # -- response -----------------------------------------------------------------
 
 def http_error(e: EngineError) -> HTTPError:
-    """An engine failure as this protocol says it: a full context is "prompt is too long"."""
+    """An engine failure as this protocol says it: a full context is "prompt is too long"
+    (an agent compacts its conversation on those words)."""
     err = engine_http_error(e)
     if e.code != "context_full":
         return err
-    numbers = _CTX_NUMBERS.search(e.message)
-    head = f"{numbers[1]} tokens > {numbers[2]} maximum. " if numbers else ""
+    head = f"{e.n_prompt} tokens > {e.n_ctx} maximum. " if e.n_prompt is not None else ""
     return HTTPError(400, "context_full", TOO_LONG + head + err.message)
 
 
-def _usage(result: TurnResult) -> dict[str, Any]:
-    gen = result.generation
-    return {"input_tokens": gen.n_prefilled, "cache_read_input_tokens": gen.n_cached,
-            "cache_creation_input_tokens": 0, "output_tokens": len(gen.tokens)}
+def _usage(fin: Finished) -> dict[str, Any]:
+    return {"input_tokens": fin.n_prefilled, "cache_read_input_tokens": fin.n_cached,
+            "cache_creation_input_tokens": 0, "output_tokens": fin.n_output}
 
 
-def _stop_reason(result: TurnResult, calls: bool) -> str:
-    finish = result.generation.finish
+def _stop_reason(finish: str, calls: bool) -> str:
     if finish == "length":
         return "max_tokens"
     return "tool_use" if calls and finish == "stop" else "end_turn"
@@ -365,12 +355,19 @@ def event(name: str, data: dict[str, Any]) -> bytes:
 PING = event("ping", {})
 
 
-class MessagesTurn:
-    def __init__(self, state: ServerState, req: TurnRequest) -> None:
-        self.state = state
-        self.req = req
+class MessagesEncoder:
+    """Turn events → a `message` JSON or the Messages SSE events (sans-I/O)."""
+
+    shape: Shape = "blocks"
+    headers = list(SSE_HEADERS)
+
+    def __init__(self) -> None:
         self.id = "msg_" + secrets.token_hex(12)
         self.model = ""
+        self.calls = False
+
+    def new_call_id(self) -> str:
+        return new_tool_id()
 
     def message(self, content: list[dict[str, Any]], stop_reason: str | None,
                 usage: dict[str, Any]) -> dict[str, Any]:
@@ -378,56 +375,34 @@ class MessagesTurn:
                 "content": content, "stop_reason": stop_reason, "stop_sequence": None,
                 "usage": usage}
 
-    async def complete(self) -> Response:
-        whole = await run_whole(self.state, self.req, http_error)
-        self.model, result, view = whole.model, whole.result, whole.view
-        body = self.message(content_blocks(view), _stop_reason(result, bool(view.tool_calls)),
-                            _usage(result))
-        body["bmoe"] = {"summary": result.summary}
-        return Response.json(body)
+    def whole(self, fin: Finished) -> dict[str, Any]:
+        self.model = fin.model
+        view = fin.view
+        body = self.message(content_blocks(view), _stop_reason(fin.finish, bool(view.tool_calls)),
+                            _usage(fin))
+        body["bmoe"] = {"summary": fin.summary}
+        return body
 
-    async def stream(self, run: TurnRun, send: Send) -> None:
-        try:
-            await self._stream(run, send)
-        finally:
-            run.close()
-
-    async def _stream(self, run: TurnRun, send: Send) -> None:
-        async def ping() -> None:
-            await send(PING)
-
-        blocks = AppendOnlyStream(lambda: new_tool_id())
-        calls = False
-
-        async def send_blocks(events: list[BlockEvent]) -> None:
-            nonlocal calls
-            for ev in events:
-                calls = calls or (isinstance(ev, BlockOpen) and ev.kind == "tool_call")
-                for data in block_events(ev):
-                    await send(data)
-
-        try:
-            prepared = run.prepared or await run.start(on_wait=ping)
-            self.model = run.session.path.name if run.session else ""
-            out = TurnOutput(prepared, self.req)
+    def encode(self, ev: TurnEvent) -> bytes:
+        if isinstance(ev, (Waiting, Ping)):
+            return PING
+        if isinstance(ev, Started):
+            self.model = ev.model
             zero = {"input_tokens": 0, "output_tokens": 0}
-            await send(event("message_start", {"message": self.message([], None, zero)}))
-
-            async def on_batch(batch: Batch) -> None:
-                await send_blocks(blocks.update(out.feed("".join(ev.text for ev, _ in batch))))
-
-            result = await run.run(on_batch, on_idle=ping)
-            view = out.finish(result)
-            await send_blocks(blocks.finish(view))
-            await check_json_answer(self.state, self.req, result, view)
-        except (EngineError, HTTPError) as e:
-            err = http_error(e) if isinstance(e, EngineError) else e
-            await send(sse_event("error", anthropic_error(err)))
-            return
-        await send(event("message_delta", {
-            "delta": {"stop_reason": _stop_reason(result, calls), "stop_sequence": None},
-            "usage": _usage(result), "bmoe": {"summary": result.summary}}))
-        await send(event("message_stop", {}))
+            return event("message_start", {"message": self.message([], None, zero)})
+        if isinstance(ev, (BlockOpen, BlockAppend, BlockClose)):
+            self.calls = self.calls or opens_tool_call(ev)
+            return b"".join(block_events(ev))
+        if isinstance(ev, Finished):
+            return event("message_delta", {
+                "delta": {"stop_reason": _stop_reason(ev.finish, self.calls),
+                          "stop_sequence": None},
+                "usage": _usage(ev), "bmoe": {"summary": ev.summary}}) + \
+                event("message_stop", {})
+        if isinstance(ev, Failed):
+            err = http_error(ev.error) if isinstance(ev.error, EngineError) else ev.error
+            return sse_event("error", anthropic_error(err))
+        return b""
 
 
 def block_events(ev: BlockEvent) -> list[bytes]:
@@ -457,16 +432,11 @@ def block_events(ev: BlockEvent) -> list[bytes]:
 
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
-    req = build_turn(state, body)
-    require_model(state)
-    turn = MessagesTurn(state, req)
-    if not body.get("stream"):
-        return await turn.complete()
-    run = await open_stream_turn(state, req, http_error)
-    return StreamResponse(produce=lambda send: turn.stream(run, send), headers=list(SSE_HEADERS),
-                          on_close=run.close)
+    req = decode(body, state.config)
+    return await turnservice.serve(state, req, MessagesEncoder(),
+                                   streaming=bool(body.get("stream")), http_error=http_error)
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:
-    req, _ = read_turn(state, request.json_object())
+    req, _ = read_turn(request.json_object(), state.config)
     return Response.json({"input_tokens": estimate_tokens(req)})

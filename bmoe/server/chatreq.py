@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..engine import params
+from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 
 MAX_IMAGES = 8
@@ -142,6 +143,23 @@ def no_vision() -> HTTPError:
 def count_images(n: int) -> None:
     if n > MAX_IMAGES:
         raise invalid_request(f"A request may carry at most {MAX_IMAGES} images; this one has {n}.")
+
+
+def check_images(n: int) -> None:
+    """Images are counted, then refused: no loaded model reads them yet."""
+    count_images(n)
+    if n:
+        raise no_vision()
+
+
+def checked(req: TurnRequest, required_hint: str = "") -> TurnRequest:
+    """`req`, unless its choices cannot hold together (400 invalid_request)."""
+    problem = req.conflict()
+    if problem is not None:
+        if required_hint and "schema cannot" in problem:
+            problem = problem[:-1] + " " + required_hint + "."
+        raise invalid_request(problem)
+    return req
 
 
 def system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,28 +21,18 @@ import trio
 
 from ..engine.decide import DecideRequest, DecideResult, decide
 from ..engine.errors import EngineError
-from ..http.errors import HTTPError, invalid_request
+from ..http.errors import HTTPError
 from ..http.types import Request, Response
 from .bridge import let_go, wait_future
-from .chatoutput import engine_http_error
-from . import chatreq
+from .shapes import engine_http_error
+from . import chatreq, wire
 from .state import ServerState
-from .validate import field
 
 
 def parse_request(body: dict[str, Any]) -> DecideRequest:
-    prefix = field(body, "prefix", str, "")
-    suffix = field(body, "suffix", str, "")
-    choices = field(body, "choices", list, None)
-    if choices is None:
-        raise invalid_request("`choices` is required: an array of strings.")
-    if not choices:
-        raise invalid_request("`choices` is empty: give at least one choice.")
-    if not all(isinstance(c, str) for c in choices):
-        raise invalid_request("`choices` must be an array of strings.")
-    reuse = field(body, "reuse_prefix", bool, True)
-    return DecideRequest(prefix=prefix, suffix=suffix, choices=list(choices),
-                         reuse_prefix=reuse)
+    b = wire.parse(wire.DecideBody, body)
+    return DecideRequest(prefix=b.prefix or "", suffix=b.suffix or "", choices=list(b.choices),
+                         reuse_prefix=True if b.reuse_prefix is None else b.reuse_prefix)
 
 
 def decide_enabled(state: ServerState) -> bool:
@@ -76,21 +66,14 @@ async def handle(state: ServerState, request: Request) -> Response:
 
 async def _run(state: ServerState, session: Any, req: DecideRequest) -> DecideResult:
     cancel = threading.Event()
-    state.current_cancel = cancel
-    state.generating = True
-    state.publish_state()
-    fut = state.engine.submit(decide, session, req, cancel)
-    try:
-        return await wait_future(fut)  # type: ignore[no-any-return]
-    except trio.Cancelled:
-        cancel.set()                   # our client left: stop the prefill, then let go
-        await let_go(fut)
-        raise
-    finally:
-        state.generating = False
-        if state.current_cancel is cancel:
-            state.current_cancel = None
-        state.publish_state()
+    with state.turn(cancel):
+        fut = state.engine.submit(decide, session, req, cancel)
+        try:
+            return await wait_future(fut)  # type: ignore[no-any-return]
+        except trio.Cancelled:
+            cancel.set()                   # our client left: stop the prefill, then let go
+            await let_go(fut)
+            raise
 
 
 def log_decision(state: ServerState, req: DecideRequest, r: DecideResult) -> None:

@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
+from ..engine.chatparse import random_call_ids
 from ..engine.errors import EngineError
-from ..engine.turn import TurnRequest, TurnResult
-from ..http.errors import HTTPError, invalid_request
+from ..engine.turn import TurnRequest
+from ..http.errors import invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
-from ..http.types import Request, Response, Send, StreamResponse
-from . import chatreq
-from .chatoutput import (TurnOutput, check_json_answer, engine_http_error, open_stream_turn,
-                         require_model, run_whole)
+from ..http.types import Request, Response, StreamResponse
+from . import chatreq, turnservice, wire
+from .shapes import engine_http_error
 from .state import ServerState
-from .turnrunner import Batch, TurnRun
+from .turnevents import (Failed, Finished, Ping, ReasoningDelta, Reset, Shape, Started,
+                         TextDelta, ToolArgsDelta, ToolCallStart, TurnEvent, Waiting)
 from .validate import field, object_list
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -154,16 +155,16 @@ def tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str 
     raise invalid_request("`tool_choice` must be a string or an object.")
 
 
-def build_turn(state: ServerState, body: dict[str, Any]) -> tuple[TurnRequest, str | None]:
-    values, user_keys = state.config.values, state.config.user_keys
+def decode(body: dict[str, Any], config: Any) -> TurnRequest:
+    """The turn a chat body asks for (400 invalid_request naming the field otherwise)."""
+    wire.parse(wire.ChatBody, body)
+    values = config.values
     messages, n_images = convert_messages(body.get("messages"))
-    chatreq.count_images(n_images)
-    if n_images:
-        raise chatreq.no_vision()
+    chatreq.check_images(n_images)
     tools = convert_tools(body.get("tools"))
     choice, named = tool_choice(body.get("tool_choice"), tools)
     kwargs = field(body, "chat_template_kwargs", dict, {})
-    think = chatreq.thinking(values, user_keys, think=body.get("think"),
+    think = chatreq.thinking(values, config.user_keys, think=body.get("think"),
                              enable_thinking=kwargs.get("enable_thinking"),
                              effort=body.get("reasoning_effort"))
     budget = chatreq.budget(body.get("max_completion_tokens", body.get("max_tokens")),
@@ -171,57 +172,57 @@ def build_turn(state: ServerState, body: dict[str, Any]) -> tuple[TurnRequest, s
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
         chatreq.budget(body.get("max_tokens"), "max_tokens", values)
     schema = chatreq.response_format_schema(body.get("response_format"), body.get("json_schema"))
-    if schema is not None and choice == "required":
-        raise invalid_request("An output schema cannot be combined with a required tool call "
-                              "(`tool_choice` \"required\" or a named function).")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise invalid_request("`n` above 1 is not supported: the server answers one choice.")
-    field(body, "stream", bool, False)
-    field(body, "stream_options", dict, None)
-    gbnf = field(body, "grammar", str)
-    if gbnf is not None and (schema is not None or choice == "required"):
-        raise invalid_request("`grammar` cannot be combined with an output schema or a required "
-                              "tool call.")
-    grammar_tools = [t for t in tools if t["function"]["name"] == named] if named and tools else None
-    req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, max_tokens=budget,
-                      think=think, schema=schema, grammar=gbnf or None,
-                      grammar_tools=grammar_tools,
+    req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
+                      max_tokens=budget, think=think, schema=schema,
+                      grammar=field(body, "grammar", str) or None,
                       parallel_calls=field(body, "parallel_tool_calls", bool, False))
-    return req, named
+    return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 
 # -- response -----------------------------------------------------------------
 
-def _usage(result: TurnResult) -> dict[str, Any]:
-    gen = result.generation
-    return {"prompt_tokens": gen.n_prompt, "completion_tokens": len(gen.tokens),
-            "total_tokens": gen.n_prompt + len(gen.tokens),
-            "prompt_tokens_details": {"cached_tokens": gen.n_cached}}
+def _usage(fin: Finished) -> dict[str, Any]:
+    return {"prompt_tokens": fin.n_prompt, "completion_tokens": fin.n_output,
+            "total_tokens": fin.n_prompt + fin.n_output,
+            "prompt_tokens_details": {"cached_tokens": fin.n_cached}}
 
 
-def _finish(result: TurnResult, out: TurnOutput) -> str:
-    finish = result.generation.finish
-    if finish == "stop" and out.tool_calls():
+def _finish_reason(fin: Finished) -> str:
+    if fin.finish == "stop" and fin.view.tool_calls:
         return "tool_calls"
-    return finish
+    return fin.finish
 
 
-class ChatCompletion:
-    def __init__(self, state: ServerState, req: TurnRequest) -> None:
-        self.state = state
-        self.req = req
+class ChatEncoder:
+    """Turn events → `chat.completion` JSON or `chat.completion.chunk` SSE (sans-I/O)."""
+
+    shape: Shape = "revisable"
+    headers: list[tuple[str, str]] = []
+
+    def __init__(self, include_usage: bool = False, new_call_id: Callable[[], str] | None = None,
+                 created: int | None = None) -> None:
         self.id = "chatcmpl-" + secrets.token_hex(12)
-        self.created = int(time.time())
+        self.created = int(time.time()) if created is None else created
         self.model = ""
+        self.include_usage = include_usage
+        self._new_id = new_call_id or random_call_ids()
+
+    def new_call_id(self) -> str:
+        return self._new_id()
 
     def envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    async def complete(self) -> Response:
-        whole = await run_whole(self.state, self.req, engine_http_error)
-        self.model, out, result, view = whole.model, whole.output, whole.result, whole.view
-        calls = out.tool_calls_final(view)
+    def whole(self, fin: Finished) -> dict[str, Any]:
+        self.model = fin.model
+        view = fin.view
+        ids = list(fin.call_ids)
+        calls = [{"id": ids[i] if i < len(ids) else self.new_call_id(), "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments_text or "{}"}}
+                 for i, c in enumerate(view.tool_calls)]
         message: dict[str, Any] = {"role": "assistant",
                                    "content": view.content if (view.content or not calls) else None}
         if view.reasoning:
@@ -230,10 +231,10 @@ class ChatCompletion:
             message["tool_calls"] = calls
         body = self.envelope("chat.completion")
         body["choices"] = [{"index": 0, "message": message, "logprobs": None,
-                            "finish_reason": _finish(result, out)}]
-        body["usage"] = _usage(result)
-        body["bmoe"] = {"summary": result.summary}
-        return Response.json(body)
+                            "finish_reason": _finish_reason(fin)}]
+        body["usage"] = _usage(fin)
+        body["bmoe"] = {"summary": fin.summary}
+        return body
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None,
               extra: dict[str, Any] | None = None) -> bytes:
@@ -243,63 +244,52 @@ class ChatCompletion:
             body.update(extra)
         return sse_event(None, body)
 
-    async def stream(self, run: TurnRun, include_usage: bool, send: Send) -> None:
-        try:
-            await self._stream(run, include_usage, send)
-        finally:
-            run.close()
+    def encode(self, ev: TurnEvent) -> bytes:
+        if isinstance(ev, Waiting):
+            return sse_comment("waiting for a turn")
+        if isinstance(ev, Ping):
+            return sse_comment("ping")
+        if isinstance(ev, Started):
+            self.model = ev.model
+            return self.chunk({"role": "assistant", "content": ""})
+        if isinstance(ev, TextDelta):
+            return self.chunk({"content": ev.text})
+        if isinstance(ev, ReasoningDelta):
+            return self.chunk({"reasoning_content": ev.text})
+        if isinstance(ev, Reset):
+            return self.chunk({"content": ev.content, "reasoning_content": ev.reasoning},
+                              extra={"bmoe": {"reset": True}})
+        if isinstance(ev, ToolCallStart):
+            return self.chunk({"tool_calls": [{"index": ev.index, "id": ev.call_id,
+                                               "type": "function", "function": {
+                                                   "name": ev.name, "arguments": ""}}]})
+        if isinstance(ev, ToolArgsDelta):
+            return self.chunk({"tool_calls": [{"index": ev.index,
+                                               "function": {"arguments": ev.text}}]})
+        if isinstance(ev, Finished):
+            return self._finished(ev)
+        if isinstance(ev, Failed):
+            err = engine_http_error(ev.error) if isinstance(ev.error, EngineError) else ev.error
+            return sse_event(None, {"error": {"message": err.message, "code": err.code}}) + \
+                sse_done()
+        return b""
 
-    async def _stream(self, run: TurnRun, include_usage: bool, send: Send) -> None:
-        async def waiting() -> None:
-            await send(sse_comment("waiting for a turn"))
-
-        async def ping() -> None:
-            await send(sse_comment("ping"))
-
-        try:
-            prepared = run.prepared or await run.start(on_wait=waiting)
-            self.model = run.session.path.name if run.session else ""
-            out = TurnOutput(prepared, self.req)
-            await send(self.chunk({"role": "assistant", "content": ""}))
-
-            async def on_batch(batch: Batch) -> None:
-                for delta in out.feed_deltas("".join(ev.text for ev, _ in batch)):
-                    await send(self._delta_chunk(delta))
-
-            result = await run.run(on_batch, on_idle=ping)
-            view = out.finish(result)
-            for delta in out.final_deltas(view):
-                await send(self._delta_chunk(delta))
-            await check_json_answer(self.state, self.req, result, view)
-        except (EngineError, HTTPError) as e:
-            err = engine_http_error(e) if isinstance(e, EngineError) else e
-            await send(sse_event(None, {"error": {"message": err.message, "code": err.code}}))
-            await send(sse_done())
-            return
-        await send(self.chunk({}, _finish(result, out), {"bmoe": {"summary": result.summary}}))
-        if include_usage:
+    def _finished(self, fin: Finished) -> bytes:
+        out = self.chunk({}, _finish_reason(fin), {"bmoe": {"summary": fin.summary}})
+        if self.include_usage:
             body = self.envelope("chat.completion.chunk")
             body["choices"] = []
-            body["usage"] = _usage(result)
-            await send(sse_event(None, body))
-        await send(sse_done())
-
-    def _delta_chunk(self, delta: dict[str, Any]) -> bytes:
-        if delta.pop("reset", False):
-            return self.chunk(delta, extra={"bmoe": {"reset": True}})
-        return self.chunk(delta)
+            body["usage"] = _usage(fin)
+            out += sse_event(None, body)
+        return out + sse_done()
 
 
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     chatreq.refuse_lone_surrogates(body)
-    req, _named = build_turn(state, body)
-    require_model(state)
-    chat = ChatCompletion(state, req)
-    if not body.get("stream"):
-        return await chat.complete()
+    req = decode(body, state.config)
     opts = body.get("stream_options") or {}
     include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-    run = await open_stream_turn(state, req, engine_http_error)
-    return StreamResponse(produce=lambda send: chat.stream(run, include_usage, send),
-                          on_close=run.close)
+    return await turnservice.serve(state, req, ChatEncoder(include_usage),
+                                   streaming=bool(body.get("stream")),
+                                   http_error=engine_http_error)

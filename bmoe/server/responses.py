@@ -14,7 +14,7 @@ messages one system message, later ones user messages in place
 and `tool_calls`; a `function_call_output` a `tool` message. Function tools are
 described; every other tool type is dropped, since nothing here runs it.
 
-The answer runs through `TurnRun` like a chat turn. Output items are the parser's
+The answer runs through the turn service with `ResponsesEncoder`. Output items are the parser's
 blocks: `reasoning`, `message` and one `function_call` per call. Streaming, each
 block of `AppendOnlyStream` is one item: `response.output_item.added`, its deltas,
 its `.done` events and `response.output_item.done`; every event is named in `event:`
@@ -31,17 +31,17 @@ import secrets
 import time
 from typing import Any
 
-from ..engine.chatparse import AppendOnlyStream, BlockClose, BlockEvent, BlockOpen, ParseView
+from ..engine.chatparse import BlockAppend, BlockClose, BlockOpen, ParseView
 from ..engine.errors import EngineError
-from ..engine.turn import TurnRequest, TurnResult
+from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_comment, sse_event
-from ..http.types import Request, Response, Send, StreamResponse
-from . import chatreq
-from .chatoutput import (TurnOutput, check_json_answer, engine_http_error, open_stream_turn,
-                         require_model, run_whole)
+from ..http.types import Request, Response, StreamResponse
+from . import chatreq, turnservice, wire
+from .shapes import engine_http_error
 from .state import ServerState
-from .turnrunner import Batch, TurnRun
+from .turnevents import (Failed, Finished, Opened, Ping, Shape, Started, Stopped, TurnEvent,
+                         Waiting)
 from .validate import field, object_list, required
 
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -247,29 +247,22 @@ def refuse_state(body: dict[str, Any]) -> None:
                               "response to fetch later. Stream it instead.")
 
 
-def build_turn(state: ServerState, body: dict[str, Any]) -> TurnRequest:
-    values, user_keys = state.config.values, state.config.user_keys
+def decode(body: dict[str, Any], config: Any) -> TurnRequest:
+    """The turn a Responses body asks for (400 invalid_request naming the field otherwise)."""
     chatreq.refuse_lone_surrogates(body)
     refuse_state(body)
+    wire.parse(wire.ResponsesBody, body)
     messages, n_images = convert_input(body)
-    chatreq.count_images(n_images)
-    if n_images:
-        raise chatreq.no_vision()
+    chatreq.check_images(n_images)
     tools = convert_tools(body.get("tools"))
     choice, named = tool_choice(body.get("tool_choice"), tools)
     schema = _text_schema(body.get("text"))
-    if schema is not None and choice == "required":
-        raise invalid_request("An output schema cannot be combined with a required tool call "
-                              "(`tool_choice` \"required\" or a named function).")
     reasoning = field(body, "reasoning", dict, {})
-    think = chatreq.thinking(values, user_keys, effort=reasoning.get("effort"))
-    budget = chatreq.budget(body.get("max_output_tokens"), "max_output_tokens", values)
-    field(body, "stream", bool, False)
-    req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, max_tokens=budget,
-                      think=think, schema=schema)
-    req.grammar_tools = (  # type: ignore[attr-defined]
-        [t for t in tools if t["function"]["name"] == named] if named and tools else None)
-    return req
+    think = chatreq.thinking(config.values, config.user_keys, effort=reasoning.get("effort"))
+    budget = chatreq.budget(body.get("max_output_tokens"), "max_output_tokens", config.values)
+    req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
+                      max_tokens=budget, think=think, schema=schema)
+    return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 
 # -- response -----------------------------------------------------------------
@@ -326,64 +319,10 @@ def output_items(view: ParseView) -> list[dict[str, Any]]:
     return items
 
 
-def _status(result: TurnResult) -> tuple[str, dict[str, Any] | None]:
-    finish = result.generation.finish
+def _status(finish: str) -> tuple[str, dict[str, Any] | None]:
     if finish == "stop":
         return "completed", None
     return "incomplete", {"reason": "max_output_tokens" if finish == "length" else "cancelled"}
-
-
-class ResponsesTurn:
-    def __init__(self, state: ServerState, req: TurnRequest, body: dict[str, Any]) -> None:
-        self.state = state
-        self.req = req
-        self.id = _new_id("resp_")
-        self.created = int(time.time())
-        self.model = state.session.path.name if state.session else ""
-        self.echo = _echo(body, req)
-        self.reasoning_tokens = 0
-
-    def response(self, status: str, output: list[dict[str, Any]],
-                 result: TurnResult | None = None, **extra: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
-            "status": status, "output": output, "error": None, "incomplete_details": None,
-            **self.echo, "usage": None}
-        body.update(extra)
-        if result is not None:
-            body["usage"] = self._usage(result)
-            body["bmoe"] = {"summary": result.summary}
-            if status != "in_progress":
-                body["completed_at"] = int(time.time())
-        return body
-
-    def _usage(self, result: TurnResult) -> dict[str, Any]:
-        gen = result.generation
-        n_out = len(gen.tokens)
-        return {"input_tokens": gen.n_prompt,
-                "input_tokens_details": {"cached_tokens": gen.n_cached, "cache_write_tokens": 0},
-                "output_tokens": n_out,
-                "output_tokens_details": {"reasoning_tokens": min(self.reasoning_tokens, n_out)},
-                "total_tokens": gen.n_prompt + n_out}
-
-    def count_reasoning(self, batch: Batch, view: ParseView) -> None:
-        """Tokens of batches that left the answer reasoning only (a batch-grained count)."""
-        if view.reasoning and not view.content and not view.tool_calls:
-            self.reasoning_tokens += len(batch)
-
-    async def complete(self) -> Response:
-        whole = await run_whole(self.state, self.req, http_error, on_view=self.count_reasoning)
-        self.model = whole.model or self.model
-        result, view = whole.result, whole.view
-        status, incomplete = _status(result)
-        return Response.json(self.response(status, output_items(view), result,
-                                           incomplete_details=incomplete))
-
-    async def stream(self, run: TurnRun, send: Send) -> None:
-        try:
-            await _Stream(self, send).run(run)
-        finally:
-            run.close()
 
 
 def _echo(body: dict[str, Any], req: TurnRequest) -> dict[str, Any]:
@@ -398,79 +337,99 @@ def _echo(body: dict[str, Any], req: TurnRequest) -> dict[str, Any]:
             "tools": tools, "temperature": None, "top_p": None, "store": False}
 
 
-class _Stream:
-    """One streamed response: numbered events, one output item per parser block."""
+class ResponsesEncoder:
+    """Turn events → a `response` JSON or the numbered Responses SSE events (sans-I/O):
+    one output item per parser block."""
 
-    def __init__(self, turn: ResponsesTurn, send: Send) -> None:
-        self.turn = turn
-        self.send = send
+    shape: Shape = "blocks"
+    headers = list(SSE_HEADERS)
+
+    def __init__(self, echo: dict[str, Any], created: int | None = None) -> None:
+        self.id = _new_id("resp_")
+        self.created = int(time.time()) if created is None else created
+        self.model = ""
+        self.echo = echo
         self.seq = 0
-        self.created = False
+        self.opened = False
         self.items: dict[int, dict[str, Any]] = {}   # output_index -> the item as sent
         self.done: list[dict[str, Any]] = []          # finished items, in order
         self.finish_status = "completed"
 
-    async def event(self, name: str, data: dict[str, Any]) -> None:
-        await self.send(sse_event(name, {"type": name, "sequence_number": self.seq, **data}))
+    def new_call_id(self) -> str:
+        return _new_id("call_")
+
+    def response(self, status: str, output: list[dict[str, Any]],
+                 fin: Finished | None = None, **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+            "status": status, "output": output, "error": None, "incomplete_details": None,
+            **self.echo, "usage": None}
+        body.update(extra)
+        if fin is not None:
+            body["usage"] = self._usage(fin)
+            body["bmoe"] = {"summary": fin.summary}
+            if status != "in_progress":
+                body["completed_at"] = int(time.time())
+        return body
+
+    def _usage(self, fin: Finished) -> dict[str, Any]:
+        n_out = fin.n_output
+        return {"input_tokens": fin.n_prompt,
+                "input_tokens_details": {"cached_tokens": fin.n_cached, "cache_write_tokens": 0},
+                "output_tokens": n_out,
+                "output_tokens_details": {"reasoning_tokens": min(fin.reasoning_tokens, n_out)},
+                "total_tokens": fin.n_prompt + n_out}
+
+    def whole(self, fin: Finished) -> dict[str, Any]:
+        self.model = fin.model or self.model
+        status, incomplete = _status(fin.finish)
+        return self.response(status, output_items(fin.view), fin, incomplete_details=incomplete)
+
+    # -- streaming ------------------------------------------------------------------
+
+    def event(self, name: str, data: dict[str, Any]) -> bytes:
+        out = sse_event(name, {"type": name, "sequence_number": self.seq, **data})
         self.seq += 1
+        return out
 
-    async def start(self) -> None:
-        if not self.created:
-            self.created = True
-            await self.event("response.created",
-                             {"response": self.turn.response("in_progress", [])})
-
-    async def run(self, run: TurnRun) -> None:
-        turn = self.turn
-
-        async def waiting() -> None:
-            await self.send(sse_comment("waiting for a turn"))
-
-        async def ping() -> None:
-            await self.send(sse_comment("ping"))
-
-        blocks = AppendOnlyStream(lambda: _new_id("call_"))
-        try:
-            await self.start()
-            prepared = run.prepared or await run.start(on_wait=waiting)
-            turn.model = run.session.path.name if run.session else turn.model
-            out = TurnOutput(prepared, turn.req)
-            await self.event("response.in_progress",
-                             {"response": turn.response("in_progress", [])})
-
-            async def on_batch(batch: Batch) -> None:
-                view = out.feed("".join(ev.text for ev, _ in batch))
-                turn.count_reasoning(batch, view)
-                await self.blocks(blocks.update(view))
-
-            result = await run.run(on_batch, on_idle=ping)
-            view = out.finish(result)
-            status, incomplete = _status(result)
+    def encode(self, ev: TurnEvent) -> bytes:
+        if isinstance(ev, Opened):
+            self.model = ev.model
+            return self._open()
+        if isinstance(ev, (Waiting, Ping)):
+            return sse_comment("waiting for a turn" if isinstance(ev, Waiting) else "ping")
+        if isinstance(ev, Started):
+            self.model = ev.model or self.model
+            return self.event("response.in_progress",
+                              {"response": self.response("in_progress", [])})
+        if isinstance(ev, Stopped):
+            status, _ = _status(ev.finish)
             self.finish_status = "completed" if status == "completed" else "incomplete"
-            await self.blocks(blocks.finish(view))
-            await check_json_answer(turn.state, turn.req, result, view)
-        except (EngineError, HTTPError) as e:
-            await self.failed(http_error(e) if isinstance(e, EngineError) else e)
-            return
-        body = turn.response(status, self.done, result, incomplete_details=incomplete)
-        await self.event("response." + status, {"response": body})
+            return b""
+        if isinstance(ev, BlockOpen):
+            return self.open(ev)
+        if isinstance(ev, BlockAppend):
+            return self.append(ev.index, ev.kind, ev.text)
+        if isinstance(ev, BlockClose):
+            return self.close(ev)
+        if isinstance(ev, Finished):
+            status, incomplete = _status(ev.finish)
+            body = self.response(status, self.done, ev, incomplete_details=incomplete)
+            return self.event("response." + status, {"response": body})
+        if isinstance(ev, Failed):
+            err = http_error(ev.error) if isinstance(ev.error, EngineError) else ev.error
+            error = {"code": failed_code(err), "message": err.message}
+            return self._open() + self.event(
+                "response.failed", {"response": self.response("failed", self.done, error=error)})
+        return b""
 
-    async def failed(self, err: HTTPError) -> None:
-        await self.start()
-        error = {"code": failed_code(err), "message": err.message}
-        await self.event("response.failed",
-                         {"response": self.turn.response("failed", self.done, error=error)})
+    def _open(self) -> bytes:
+        if self.opened:
+            return b""
+        self.opened = True
+        return self.event("response.created", {"response": self.response("in_progress", [])})
 
-    async def blocks(self, events: list[BlockEvent]) -> None:
-        for ev in events:
-            if isinstance(ev, BlockOpen):
-                await self.open(ev)
-            elif isinstance(ev, BlockClose):
-                await self.close(ev)
-            else:
-                await self.append(ev.index, ev.kind, ev.text)
-
-    async def open(self, ev: BlockOpen) -> None:
+    def open(self, ev: BlockOpen) -> bytes:
         if ev.kind == "reasoning":
             item = reasoning_item("", "in_progress")
         elif ev.kind == "text":
@@ -478,56 +437,52 @@ class _Stream:
         else:
             item = call_item(ev.call_id or _new_id("call_"), ev.name or "", "", "in_progress")
         self.items[ev.index] = item
-        await self.event("response.output_item.added", {"output_index": ev.index, "item": item})
+        out = self.event("response.output_item.added", {"output_index": ev.index, "item": item})
         if ev.kind == "text":
-            await self.event("response.content_part.added", {
+            out += self.event("response.content_part.added", {
                 "item_id": item["id"], "output_index": ev.index, "content_index": 0,
                 "part": output_text("")})
+        return out
 
-    async def append(self, index: int, kind: str, text: str) -> None:
+    def append(self, index: int, kind: str, text: str) -> bytes:
         ids = {"item_id": self.items[index]["id"], "output_index": index}
         if kind == "reasoning":
-            await self.event("response.reasoning_text.delta",
-                             {**ids, "content_index": 0, "delta": text})
-        elif kind == "text":
-            await self.event("response.output_text.delta",
-                             {**ids, "content_index": 0, "delta": text, "logprobs": []})
-        else:
-            await self.event("response.function_call_arguments.delta", {**ids, "delta": text})
+            return self.event("response.reasoning_text.delta",
+                              {**ids, "content_index": 0, "delta": text})
+        if kind == "text":
+            return self.event("response.output_text.delta",
+                              {**ids, "content_index": 0, "delta": text, "logprobs": []})
+        return self.event("response.function_call_arguments.delta", {**ids, "delta": text})
 
-    async def close(self, ev: BlockClose) -> None:
+    def close(self, ev: BlockClose) -> bytes:
         sent = self.items[ev.index]
         ids = {"item_id": sent["id"], "output_index": ev.index}
         status = self.finish_status
         if ev.kind == "reasoning":
             item = reasoning_item(ev.text, status, sent["id"])
-            await self.event("response.reasoning_text.done",
+            out = self.event("response.reasoning_text.done",
                              {**ids, "content_index": 0, "text": ev.text})
         elif ev.kind == "text":
             item = message_item(ev.text, status, sent["id"])
-            await self.event("response.output_text.done",
+            out = self.event("response.output_text.done",
                              {**ids, "content_index": 0, "text": ev.text, "logprobs": []})
-            await self.event("response.content_part.done",
-                             {**ids, "content_index": 0, "part": output_text(ev.text)})
+            out += self.event("response.content_part.done",
+                              {**ids, "content_index": 0, "part": output_text(ev.text)})
         else:
-            arguments = ev.text
+            arguments, out = ev.text, b""
             if not arguments:
                 arguments = "{}"
-                await self.append(ev.index, ev.kind, arguments)
+                out += self.append(ev.index, ev.kind, arguments)
             item = call_item(sent["call_id"], sent["name"], arguments, status, sent["id"])
-            await self.event("response.function_call_arguments.done",
-                             {**ids, "name": sent["name"], "arguments": arguments})
+            out += self.event("response.function_call_arguments.done",
+                              {**ids, "name": sent["name"], "arguments": arguments})
         self.done.append(item)
-        await self.event("response.output_item.done", {"output_index": ev.index, "item": item})
+        return out + self.event("response.output_item.done",
+                                {"output_index": ev.index, "item": item})
 
 
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
-    req = build_turn(state, body)
-    require_model(state)
-    turn = ResponsesTurn(state, req, body)
-    if not body.get("stream"):
-        return await turn.complete()
-    run = await open_stream_turn(state, req, http_error)
-    return StreamResponse(produce=lambda send: turn.stream(run, send), headers=list(SSE_HEADERS),
-                          on_close=run.close)
+    req = decode(body, state.config)
+    return await turnservice.serve(state, req, ResponsesEncoder(_echo(body, req)),
+                                   streaming=bool(body.get("stream")), http_error=http_error)

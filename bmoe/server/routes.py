@@ -15,8 +15,8 @@ from ..http.routes import RouteTable
 from ..http.sse import sse_comment, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from ..server.config import OutsideModelsDir, confine_model_path
-from . import decide, openai_chat, ws
-from . import models_routes
+from . import decide, openai_chat, wire, ws
+from . import llama_compat, models_routes
 from .state import ServerState
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
@@ -49,6 +49,7 @@ def build_routes(state: ServerState) -> RouteTable:
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
     add("POST", "/v1/responses", responses.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
     models_routes.register(table, state)
+    llama_compat.register(table, state)  # llama-server's routes (/completion, /props, ...)
     return table
 
 
@@ -63,10 +64,7 @@ def model_dirs(state: ServerState) -> list[Path]:
 
 
 async def session_load(state: ServerState, request: Request) -> Response:
-    body = request.json_object()
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid_request("`model` must be a string: the path of a GGUF file.")
+    model = wire.parse(wire.SessionLoadBody, request.json_object()).model
     if model:
         confined = state.options.models_only or not request.peer_is_loopback
         if confined:
@@ -76,8 +74,9 @@ async def session_load(state: ServerState, request: Request) -> Response:
                 raise HTTPError(403, "outside_models_dir", str(e)) from None
             except ValueError:  # a NUL or a lone surrogate: no file is named so
                 raise invalid_request("`model` is not a usable file path.") from None
-        _, rejected = state.config.put({"model": model}, [], peer_is_local=True,
-                                       model_dirs=model_dirs(state))
+        _, rejected = await trio.to_thread.run_sync(partial(
+            state.config.put, {"model": model}, [], peer_is_local=True,
+            model_dirs=model_dirs(state)))
         if rejected:
             raise invalid_request(params.render(str(rejected.get("model"))))
         state.bus.publish("config", config_state(state))
@@ -92,16 +91,14 @@ async def session_load(state: ServerState, request: Request) -> Response:
 
 
 async def session_unload(state: ServerState, request: Request) -> Response:
-    request.json_object()
+    wire.parse(wire.EmptyBody, request.json_object())
     await state.unload()
     return Response.json({"state": state.state})
 
 
 async def cancel(state: ServerState, request: Request) -> Response:
-    request.json_object()
-    was = state.generating
-    state.cancel_current()
-    return Response.json({"cancelled": was})
+    wire.parse(wire.EmptyBody, request.json_object())
+    return Response.json({"cancelled": state.cancel_current()})
 
 
 async def models(state: ServerState, request: Request) -> Response:
@@ -128,19 +125,11 @@ async def get_config(state: ServerState, request: Request) -> Response:
 
 
 async def put_config(state: ServerState, request: Request) -> Response:
-    body = request.json_object()
-    values = body.get("values", {})
-    reset = body.get("reset", [])
-    if not isinstance(values, dict):
-        raise invalid_request("`values` must be an object of {key: value}.")
-    if not isinstance(reset, list) or not all(isinstance(k, str) for k in reset):
-        raise invalid_request("`reset` must be an array of parameter keys.")
-    try:
-        result, rejected = state.config.put(
-            values, reset, peer_is_local=request.peer_is_loopback, model_dirs=model_dirs(state),
-            models_only=state.options.models_only, loaded_values=state.loaded_values)
-    except TypeError as e:
-        raise invalid_request(str(e)) from None
+    body = wire.parse(wire.ConfigBody, request.json_object())
+    put = partial(state.config.put, dict(body.values), list(body.reset),
+                  peer_is_local=request.peer_is_loopback, model_dirs=model_dirs(state),
+                  models_only=state.options.models_only, loaded_values=state.loaded_values)
+    result, rejected = await trio.to_thread.run_sync(put)  # the settings file is fsynced
     result = dict(result)
     result["error"] = params.render(result.get("error", ""))
     result["rejected"] = {k: params.render(str(v)) for k, v in rejected.items()}

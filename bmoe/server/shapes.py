@@ -7,6 +7,8 @@ included, in their own protocol's shape; every other path uses the server's
 
 from __future__ import annotations
 
+from ..engine import params
+from ..engine.errors import EngineError
 from ..http.errors import HTTPError
 from ..http.types import Response
 
@@ -25,9 +27,31 @@ def responses_error(err: HTTPError) -> dict:
     return {"error": {"message": err.message, "type": kind, "param": None, "code": err.code}}
 
 
+def is_llama_path(path: str) -> bool:
+    """The routes that answer llama-server's error object (bmoe/server/llama_compat.py)."""
+    roots = ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
+             "/props", "/slots", "/metrics", "/health", "/v1/health", "/v1/completions",
+             "/models")
+    return path.startswith("/v1/models/") or any(path == r or path.startswith(r + "/")
+                                                 for r in roots)
+
+
 def error_shaper(path: str, err: HTTPError) -> Response | None:
+    if is_llama_path(path):
+        from .completions import llama_error_body
+        return Response.json(llama_error_body(err), status=err.status, headers=err.headers)
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return Response.json(anthropic_error(err), status=err.status, headers=err.headers)
     if path == "/v1/responses" or path.startswith("/v1/responses/"):
         return Response.json(responses_error(err), status=err.status, headers=err.headers)
     return None
+
+
+STATUS_OF = {"context_full": 400, "empty_prompt": 400, "template_rejected": 400,
+             "needs_chat_mode": 400, "invalid_request": 400, "no_vision": 400,
+             "invalid_output": 500, "failed": 500}
+
+
+def engine_http_error(e: EngineError) -> HTTPError:
+    """An engine failure as the HTTP error it is, its `{key}` placeholders as labels."""
+    return HTTPError(STATUS_OF.get(e.code, 500), e.code, params.render(e.message, "label"))

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import trio
 
@@ -24,6 +25,7 @@ from ..engine.telemetry import mem_available_mib
 from ..http.errors import HTTPError
 from .bridge import wait_future
 from .events import EventBus
+from .metrics import Metrics
 from .turns import TurnLine
 
 CTX_FOR_CLIENTS = 16384  # tokens a coding agent needs: its first request plus an answer
@@ -61,15 +63,52 @@ class ServerState:
         self.load_started: float | None = None
         self.loaded_values: dict[str, Any] | None = None
         self.ctx_refused = False
-        self.generating = False
-        self.current_cancel: threading.Event | None = None
+        self._generating = False
+        self._current_cancel: threading.Event | None = None
         self._load_lock = trio.Lock()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.streamer_factory = streamer_factory
+        self.planner: Any = None                 # bmoe/server/plan_routes.py's PlanService
+        self.metrics = Metrics()                 # GET /metrics (bmoe/server/metrics.py)
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+
+    # -- the generation under way ------------------------------------------------
+
+    @property
+    def generating(self) -> bool:
+        return self._generating
+
+    @contextmanager
+    def turn(self, cancel: threading.Event) -> Iterator[None]:
+        """The one way to mark a generation (a chat turn, a decision): `POST /api/cancel`
+        and an unload set `cancel` while it runs; `/api/info` says `generating`."""
+        self._current_cancel = cancel
+        self._generating = True
+        self.publish_state()
+        try:
+            yield
+        finally:
+            self._generating = False
+            if self._current_cancel is cancel:
+                self._current_cancel = None
+            self.publish_state()
+
+    def cancel_current(self) -> bool:
+        """Stop the generation under way; whether there was one."""
+        was = self._generating
+        if self._current_cancel is not None:
+            self._current_cancel.set()
+        return was
+
+    def note_context_refusal(self, e: EngineError) -> None:
+        """A prompt past the context: `/api/info` advises a larger context from now on."""
+        self.ctx_refused = True
+        self.bus.log("warn", "a request was refused: " + e.message.replace(
+            "{ctx-size}", "--ctx-size"))
+        self.publish_state()
 
     # -- info ----------------------------------------------------------------
 
@@ -95,14 +134,14 @@ class ServerState:
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "version": __version__, "overlap_available": False, "planner_available": False,
+            "version": __version__, "overlap_available": False, "planner_available": self.planner is not None,
             "host": {"ram_total_mib": round(_ram_total_mib()),
                      "ram_available_mib": round(mem_available_mib()),
                      "cpu_threads": os.cpu_count() or 1},
             "state": self.state, "error": self.error, "model": self.model_info(),
             "generating": self.generating, "calibrating": False,
         }
-        if self.state == "loading" and self.load_started is not None:
+        if self.state in ("loading", "planning") and self.load_started is not None:
             out["load_elapsed_s"] = round(time.monotonic() - self.load_started, 3)
         return out
 
@@ -138,7 +177,9 @@ class ServerState:
                 self._set_state("error", "No model is set: choose a model file to load.")
                 return
             try:
-                session = await wait_future(self.engine.submit(self._open_session, path, values))
+                if self.planner is not None:       # auto-plan: measure, apply, then load
+                    values = await self.planner.before_load(path, values)
+                session = await self._open_on_engine(path, values)
             except EngineError as e:
                 self._set_state("error", e.message)
                 self.bus.log("error", f"load failed: {e.message}")
@@ -159,10 +200,24 @@ class ServerState:
                              f"{CTX_FOR_CLIENTS} a coding agent needs; raise it with --ctx-size")
 
     def _open_session(self, path: str, values: dict[str, Any]) -> Session:
-        from .chatsetup import configure_session
-        session = Session(path, values, self.streamer_factory)
-        configure_session(session)
-        return session
+        return Session(path, values, self.streamer_factory)
+
+    async def _open_on_engine(self, path: str, values: dict[str, Any]) -> Session:
+        """Open a session on the engine thread. A load cancelled midway (the server
+        stops) waits, shielded, for the engine to finish it, then closes what it built:
+        never a llama.cpp model left open with nobody holding it."""
+        fut = self.engine.submit(self._open_session, path, values)
+        try:
+            return await wait_future(fut)  # type: ignore[no-any-return]
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                try:
+                    built = await wait_future(fut)
+                except Exception:  # noqa: BLE001 - the load failed: nothing to close
+                    built = None
+                if built is not None:
+                    await wait_future(self.engine.submit(built.close))
+            raise
 
     async def unload(self) -> None:
         async with self._load_lock:
@@ -170,8 +225,7 @@ class ServerState:
             self._set_state("empty")
 
     async def _close_session(self) -> None:
-        if self.current_cancel is not None:
-            self.current_cancel.set()
+        self.cancel_current()
         session, self.session = self.session, None
         self.loaded_values = None
         if session is not None:
@@ -187,10 +241,7 @@ class ServerState:
                             "POST /api/session/load or start the server with -m.")
         return self.session
 
-    def cancel_current(self) -> None:
-        if self.current_cancel is not None:
-            self.current_cancel.set()
-
     async def aclose(self) -> None:
         await self._close_session()
-        self.engine.close()
+        with trio.CancelScope(shield=True):
+            await wait_future(self.engine.close())   # the thread ends; the loop never blocks

@@ -20,6 +20,8 @@ WAIT_COMMENT_INTERVAL_S = 5.0  # seconds between "waiting for a turn" comments
 
 
 class Place:
+    """One request's place in the line: waited for, then held until released."""
+
     def __init__(self, line: "TurnLine") -> None:
         self._line = line
         self._holding = False
@@ -27,15 +29,8 @@ class Place:
         self._counted = True  # counted among the line's waiters
 
     async def wait(self, on_wait: Callable[[], Awaitable[None]] | None = None) -> None:
-        line = self._line
         try:
-            if on_wait is None or not line._lock.locked():
-                await line._lock.acquire()
-            else:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_keep_alive, on_wait)
-                    await line._lock.acquire()
-                    nursery.cancel_scope.cancel()
+            await self._line.take_turn(on_wait)
             self._holding = True
         finally:
             self._uncount()
@@ -43,14 +38,14 @@ class Place:
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
-            self._line._waiting -= 1
+            self._line.leave()
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
         if self._holding:
-            self._line._lock.release()
+            self._line.give_back()
         else:
             self._uncount()
 
@@ -90,3 +85,21 @@ class TurnLine:
                             headers=[("Retry-After", "5")])
         self._waiting += 1
         return Place(self)
+
+    async def take_turn(self, on_wait: Callable[[], Awaitable[None]] | None) -> None:
+        """Wait for the turn (fair: first come, first served); `on_wait` is called every
+        few seconds while another holds it."""
+        if on_wait is None or not self._lock.locked():
+            await self._lock.acquire()
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_keep_alive, on_wait)
+            await self._lock.acquire()
+            nursery.cancel_scope.cancel()
+
+    def give_back(self) -> None:
+        self._lock.release()
+
+    def leave(self) -> None:
+        """A place stops waiting (it got the turn, or gave up)."""
+        self._waiting -= 1

@@ -51,16 +51,3 @@ def object_list(value: Any, name: str) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise invalid_request(f"`{name}[{i}]` must be an object.")
     return value
-
-
-def token_budget(value: Any, name: str) -> int | None:
-    """A max-tokens field: None when absent; a non-negative integer, else 400."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer() and value >= 0:
-            return int(value)
-        raise invalid_request(f"`{name}` must be a non-negative integer.")
-    if value < 0:
-        raise invalid_request(f"`{name}` must be a non-negative integer.")
-    return value

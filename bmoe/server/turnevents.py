@@ -1,0 +1,203 @@
+"""What a turn says while it runs: protocol-neutral events, and the parser that makes them.
+
+Theory of operation
+-------------------
+The turn service (`turnservice.py`) runs a turn and hands each event below to the
+protocol's encoder, which turns it into bytes (SSE chunks) or, for a whole answer,
+reads the `Finished` event into one JSON body. Nothing here does I/O or knows a wire
+format: an encoder can be tested by feeding it events by hand.
+
+The answer's text comes in one of two shapes, the one the encoder asks for:
+
+* ``revisable`` (OpenAI chat): `TextDelta`, `ReasoningDelta`, `ToolCallStart`,
+  `ToolArgsDelta`, and `Reset` when the parser takes back text it had shown (a
+  tool call recognised late): the full reasoning and content so far.
+* ``blocks`` (Anthropic Messages, Responses): the protocol cannot take text back, so
+  the parser's view is cut into append-only blocks (`BlockOpen` / `BlockAppend` /
+  `BlockClose` from `bmoe.engine.chatparse`).
+
+Around them: `Opened` (the stream exists, before any wait), `Waiting` and `Ping`
+(keep-alives), `Started` (the turn holds the engine; the prompt is prepared),
+`Stopped` (the generation ended: the last deltas follow), `Finished` (usage and the
+finish reason) or `Failed` (the error, mapped by the
+protocol to its own shape).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Union
+
+from ..engine.chatparse import (AppendOnlyStream, BlockClose, BlockEvent, BlockOpen,
+                                ChatDeltaStream, OutputParser, ParseView, random_call_ids)
+from ..engine.errors import EngineError
+from ..engine.session import Generation, TokenEvent
+from ..engine.turn import Prepared, TurnRequest
+from ..http.errors import HTTPError
+
+log = logging.getLogger("bmoe.chat")
+
+Shape = Literal["revisable", "blocks", "raw"]   # raw: the text as generated, no parser
+
+
+@dataclass(frozen=True)
+class Opened:
+    model: str                      # the loaded model's name when the stream opened ("" if none)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    pass
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class Started:
+    model: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    finish: str                     # the generation ended (stop | length | cancelled); the
+                                    # last deltas and `Finished` follow
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Reset:
+    content: str
+    reasoning: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    call_id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolArgsDelta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class RawTokens:
+    """The `raw` shape's delta: a batch of generated tokens as they came (ids, text,
+    log-probabilities when asked), for llama-server's /completion."""
+    tokens: tuple[TokenEvent, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    model: str
+    view: ParseView                 # the parser's final reading of the answer
+    finish: str                     # stop | length | cancelled
+    n_prompt: int                   # the prompt's tokens
+    n_prefilled: int                # ... of which computed now (the rest came from the KV)
+    n_cached: int
+    n_output: int
+    reasoning_tokens: int           # tokens of batches that left the answer reasoning only
+    summary: dict[str, Any] = field(default_factory=dict)   # the `done` keys
+    call_ids: tuple[str, ...] = ()  # the ids a stream gave the calls, in order
+    generation: Generation | None = None   # the engine's own account (ids, timings, stop)
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: EngineError | HTTPError
+
+
+TurnEvent = Union[Opened, Waiting, Ping, Started, Stopped, TextDelta, ReasoningDelta, Reset,
+                  ToolCallStart, ToolArgsDelta, BlockEvent, RawTokens, Finished, Failed]
+
+
+def _chat_event(delta: dict[str, Any]) -> list[TurnEvent]:
+    """One `ChatDeltaStream` delta as neutral events."""
+    if delta.get("reset"):
+        return [Reset(delta["content"], delta["reasoning_content"])]
+    if "reasoning_content" in delta:
+        return [ReasoningDelta(delta["reasoning_content"])]
+    if "content" in delta:
+        return [TextDelta(delta["content"])]
+    call = delta["tool_calls"][0]
+    if "id" in call:
+        return [ToolCallStart(call["index"], call["id"], call["function"]["name"])]
+    return [ToolArgsDelta(call["index"], call["function"]["arguments"])]
+
+
+class TurnOutput:
+    """The parser's reading of one generation, as events of one shape (or none)."""
+
+    def __init__(self, prepared: Prepared, req: TurnRequest, shape: Shape | None,
+                 new_call_id: Callable[[], str] | None = None) -> None:
+        tools = req.offered_tools()
+        self.parser = OutputParser(prepared.framing if tools else None,
+                                   prepared.starts_in_reasoning, tools)
+        self.shape = shape
+        new_id = new_call_id or random_call_ids()
+        self._chat = ChatDeltaStream(new_id) if shape == "revisable" else None
+        self._blocks = AppendOnlyStream(new_id) if shape == "blocks" else None
+        self.view = ParseView()
+        self.reasoning_tokens = 0
+
+    def feed_batch(self, tokens: list[TokenEvent]) -> list[TurnEvent]:
+        """One batch of the engine's tokens; the `raw` shape skips the parser."""
+        text = "".join(ev.text for ev in tokens)
+        if self.shape != "raw":
+            return self.feed(text, len(tokens))
+        self.view = ParseView(content=self.view.content + text)
+        return [RawTokens(tuple(tokens))]
+
+    def feed(self, text: str, n_tokens: int) -> list[TurnEvent]:
+        if text:
+            self.parser.feed(text)
+            self.view = self.parser.snapshot()
+        view = self.view
+        if view.reasoning and not view.content and not view.tool_calls:
+            self.reasoning_tokens += n_tokens
+        return self._events(view, final=False)
+
+    def finish(self) -> list[TurnEvent]:
+        if self.shape == "raw":
+            return []
+        self.view = self.parser.finish()
+        if self.view.fallback_raw:
+            log.warning("the answer parsed to nothing; returning the raw text as content")
+        return self._events(self.view, final=True)
+
+    def call_ids(self) -> tuple[str, ...]:
+        stream = self._chat or self._blocks
+        return tuple(stream.call_ids) if stream is not None else ()
+
+    def _events(self, view: ParseView, final: bool) -> list[TurnEvent]:
+        if self._chat is not None:
+            deltas = self._chat.finish(view) if final else self._chat.update(view)
+            return [ev for d in deltas for ev in _chat_event(d)]
+        if self._blocks is not None:
+            return list(self._blocks.finish(view) if final else self._blocks.update(view))
+        return []
+
+
+def opens_tool_call(ev: TurnEvent) -> bool:
+    return isinstance(ev, ToolCallStart) or (isinstance(ev, BlockOpen) and ev.kind == "tool_call")
+
+
+__all__ = ["Opened", "Waiting", "Ping", "Started", "Stopped", "TextDelta", "ReasoningDelta", "Reset",
+           "ToolCallStart", "ToolArgsDelta", "BlockOpen", "BlockClose", "Finished", "Failed",
+           "TurnEvent", "TurnOutput", "Shape", "RawTokens", "opens_tool_call"]
