@@ -301,6 +301,67 @@ def small_route_cases() -> list[Case]:
     return cases
 
 
+# --- llama-server's routes (bmoe/server/completions.py, llama_compat.py) --------------------------
+
+def llama_cases() -> list[Case]:
+    """Token ids out of the vocabulary, hostile sampling values, grammars and schemas:
+    every id is checked before llama.cpp sees it, so none of these may be a 5xx."""
+    cases: list[Case] = []
+    base: dict[str, Any] = {"prompt": "hi", "n_predict": 2}
+    ids = [-1, 576, 2**31, 2**63, -(2**63)]
+    fields: dict[str, list[Any]] = {
+        "prompt": [None, 1, True, {}, [], [None], [1.5], [[1, 2], [3]], [[1], "x"], *[[i] for i in ids],
+                   [1, 2, 10**30]],
+        "n_predict": [-2, 0, "5", True, 1.5, [], 2**31, -(2**40)],
+        "temperature": ["hot", [], {}, True, 1e400, -1e400],
+        "top_k": ["5", 1.5, [], 2**40], "top_p": [-0.1, 1.5, "x"], "min_p": [2, -1, []],
+        "repeat_penalty": [0, -1, "x"], "repeat_last_n": [-2, 2**40, "x"],
+        "seed": [-2, 2**33, "x", 1.5], "n_probs": [-1, 101, 10**9, "x", 1.5, True],
+        "logit_bias": [1, "x", True, [1], [[1]], [[1, 2, 3]], {"x": 1}, {"1": 101}, {"1": "x"},
+                       {"1": True}, *[{str(i): 1} for i in ids], [[576, 1]], [["1", 1]],
+                       {"01": 1, "1": 2}],
+        "stop": [1, True, {}, [1], ["x" * 300], ["a"] * 17],
+        "grammar": [1, [], "root ::= x", "root ::= " + "(" * 5000, "\x00"],
+        "json_schema": [1, "x", [], True],
+        "mirostat": [1, 2], "typical_p": [0.5], "samplers": [["top_k"], "x"],
+        "stream": ["yes", 1], "ignore_eos": ["yes", 1], "cache_prompt": [1, "x"],
+        "id_slot": [1, 5, "x"], "post_sampling_probs": [True, "x"],
+    }
+    lenient: dict[str, list[Any]] = {
+        "prompt": ["", "\u0000" * 100, "\ud800", "x" * 100_000, [0, "\ud800", 575]],
+        "logit_bias": [{}, [], {"575": -100}, [[1, False]], None],
+        "stop": [[""], ["\ud800"], "x"], "temperature": [0, -1, 1e30],
+        "json_schema": [{}, {"type": "object"}, {"type": "string", "maxLength": 10**6},
+                        {"$ref": "#"}, {"type": "array", "minItems": 10**6}],
+        "grammar": ['root ::= "a"', "root ::= "],
+        "ignore_eos": [True], "n_probs": [100, 0],
+    }
+    for path in ("/completion", "/v1/completions"):
+        cases += field_cases("POST " + path, path, base, fields, lenient)
+        cases += [body_case("POST " + path, "POST", path, f"body {b[:12]!r}", b)
+                  for b in NOT_OBJECTS]
+    v1 = {"prompt": "hi", "max_tokens": 2}
+    cases += field_cases("POST /v1/completions", "/v1/completions", v1, {
+        "max_tokens": [-2, 0, "5", 2**40], "n": [0, 17, "2", True], "best_of": [2, "x"],
+        "echo": [True, "x"], "suffix": ["x", 1], "logprobs": [1, True],
+        "prompt": [["a", "b"], [[1], [2]]], "stream_options": [1, "x"]})
+    cases += field_cases("POST /tokenize", "/tokenize", {"content": "hi"}, {
+        "content": [None, 1, [], {}, True], "add_special": [1, "x"], "with_pieces": [1, "x"],
+        "parse_special": [1, "x"]}, {"content": ["", "\ud800", "<|im_start|>" * 1000]})
+    cases += field_cases("POST /detokenize", "/detokenize", {"tokens": [1]}, {
+        "tokens": [None, 1, "x", {}, [None], ["1"], [1.5], *[[i] for i in ids], [1, 576]]},
+        {"tokens": [[], [0, 575]]})
+    cases += field_cases("POST /apply-template", "/apply-template",
+                         {"messages": [{"role": "user", "content": "hi"}]},
+                         {"messages": [None, 1, [], [{}]], "return_prompt_ids": [1, "x"]})
+    cases += field_cases("POST /api/show", "/api/show", {"model": "tiny-moe.gguf"},
+                         {"model": [1, [], {}, True]}, {"model": ["x", "\ud800", ""]})
+    for path in ("/tokenize", "/detokenize", "/apply-template"):
+        cases += [body_case("POST " + path, "POST", path, f"body {b[:12]!r}", b)
+                  for b in NOT_OBJECTS[:8]]
+    return cases
+
+
 # --- the agent protocols and decide (when the server has them) ----------------------------------
 
 def messages_cases() -> list[Case]:
@@ -456,7 +517,7 @@ def protocol_cases() -> list[Case]:
 
 def corpus() -> list[Case]:
     return (chat_cases() + protocol_cases() + session_cases() + messages_cases() + responses_cases()
-            + decide_cases() + config_cases() + small_route_cases())
+            + decide_cases() + config_cases() + small_route_cases() + llama_cases())
 
 
 # --- running it -------------------------------------------------------------------------------

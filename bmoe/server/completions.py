@@ -153,6 +153,9 @@ def read_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         for i, pair in enumerate(value):
             if not (isinstance(pair, list) and len(pair) == 2):
                 raise invalid_request(f"`logit_bias[{i}]` must be a pair [token id, bias].")
+            if isinstance(pair[0], str):
+                raise invalid_request(f"`logit_bias[{i}]` names a token by its text; give its "
+                                      "id (POST /tokenize finds it).")
             pairs.append((pair[0], pair[1]))
     else:
         raise invalid_request("`logit_bias` must be an object of token ids to numbers.")
