@@ -218,3 +218,19 @@ def test_local_only_routes_refuse_a_network_peer(local_only_probe: Any, method: 
 def test_other_models_routes_answer_the_network(local_only_probe: Any, method: str,
                                                 target: str) -> None:
     assert local_only_probe(method, target, "10.1.2.3") is None
+
+
+def test_a_split_moe_loads_on_plain_mmap_and_answers(tmp_path: Path, made: dict[str, Path]) -> None:
+    """The probe says a split set does not stream; the engine agrees (no streamer)."""
+    parts = split_model(made["moe"], tmp_path, "moe-split", 3)
+    s = start_server(tmp_path / "data", "-m", str(parts[0]), "--scan-dir", str(tmp_path))
+    try:
+        info = s.info()
+        assert info["state"] == "ready" and info["model"]["streaming"] is False, info
+        status, _, body = s.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+        row = next(m for m in local(s) if m["name"] == "moe-split-00001-of-00003.gguf")
+        assert row["streamable"] is False and row["complete"]
+    finally:
+        s.stop()

@@ -36,4 +36,18 @@ def streamer_factory(session: Session) -> ExpertStreamer | None:
         return None    # not a GGUF we read: llama.cpp's load will say what is wrong
     if not layout.experts:
         return None
+    if split_count(session.path) > 1:
+        # The streamer reads one file; the experts of a split set's other shards are
+        # not in this layout. Such a set runs on plain mmap (the probe says so too).
+        return None
     return ExpertStreamer(session.path, layout, values)
+
+
+def split_count(path: Any) -> int:
+    """How many files the model at ``path`` is split into, by its header (1 if none)."""
+    from ...models.probe import Unreadable, read_file_header
+    try:
+        count = read_file_header(path).kv.get("split.count", 1)
+    except Unreadable:
+        return 1
+    return count if isinstance(count, int) and count > 1 else 1
