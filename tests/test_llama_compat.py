@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,8 @@ from conftest import ServerProcess, start_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+
+from bmoe.server.llama_compat import env_argv
 
 KEY = "llama-compat-test-key"
 N_VOCAB = 576          # the tiny MoE's vocabulary (bmoe.engine.modelmaker)
@@ -570,3 +574,54 @@ def test_turn_line_still_serves_chat_after_completions(srv: ServerProcess) -> No
     status, chat = post(srv, "/v1/chat/completions",
                         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert status == 200 and time.monotonic() - t0 < 30
+
+
+# -- start-up: llama-server's flags and variables ----------------------------------
+
+def test_env_vars_read_as_flags_and_replaced_by_the_command_line() -> None:
+    env = {"LLAMA_ARG_CTX_SIZE": "768", "LLAMA_ARG_MODEL": "m.gguf", "LLAMA_API_KEY": "sekrit",
+           "LLAMA_ARG_HOST": "0.0.0.0", "LLAMA_ARG_N_GPU_LAYERS": "99",
+           "LLAMA_ARG_FLASH_ATTN": "on", "HOME": "/x"}
+    argv, lines = env_argv(["-c", "640"], env)
+    assert argv == ["-c", "640", "--api-key", "sekrit", "--model", "m.gguf"]
+    text = "\n".join(lines)
+    assert "LLAMA_ARG_CTX_SIZE is replaced by the command line's --ctx-size" in text
+    assert "LLAMA_ARG_HOST is not read" in text            # no variable widens the binding
+    assert "LLAMA_ARG_N_GPU_LAYERS is not used" in text and "LLAMA_ARG_FLASH_ATTN" in text
+    assert "sekrit" not in text
+    with pytest.raises(SystemExit, match="LLAMA_API_KEY"):
+        env_argv([], {"LLAMA_API_KEY": " "})
+    argv, _ = env_argv(["--api-key-file", "k"], {"LLAMA_API_KEY": "x"})
+    assert argv == ["--api-key-file", "k"]
+
+
+def test_server_starts_from_llama_variables(tmp_path: Path, tiny_moe: Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LLAMA_ARG_MODEL=str(tiny_moe),
+               LLAMA_ARG_CTX_SIZE="768", LLAMA_API_KEY=KEY, LLAMA_ARG_ENDPOINT_METRICS="1")
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as errf:
+        proc = subprocess.Popen([sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
+                                 str(tmp_path / "data"), "--threads", "1", "-ngl", "99"],
+                                stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        srv = ServerProcess(proc, line.split("listening on", 1)[1].strip(), tmp_path)
+        try:
+            srv.key = KEY
+            srv.wait_state("ready")
+            status, _, props = srv.request("GET", "/props")
+            assert status == 200 and props["default_generation_settings"]["n_ctx"] == 768
+            assert srv.request("GET", "/metrics")[0] == 200
+            srv.key = None
+            assert srv.request("GET", "/props")[0] == 401
+        finally:
+            srv.stop()
+    text = err.read_text()
+    assert "LLAMA_ARG_CTX_SIZE read as --ctx-size 768" in text
+    assert "-ngl 99 has no effect" in text and KEY not in text
+
+
+def test_parallel_above_one_is_refused_by_name(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
+                          str(tmp_path), "-np", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--parallel 2 is refused" in out.stderr

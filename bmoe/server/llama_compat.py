@@ -38,10 +38,89 @@ from .state import ServerState
 TOKENS_MAX = 1 << 20          # ids in one /detokenize body (the body cap bounds it too)
 
 
+# -- start-up: llama-server's flags and variables --------------------------------------
+
+# LLAMA_ARG_* variables read as the flag they stand for, unless the command line gives
+# that flag (in any spelling): the command line replaces the variable, as in llama-server.
+ENV_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "LLAMA_ARG_MODEL": ("--model", ("-m", "--model")),
+    "LLAMA_ARG_CTX_SIZE": ("--ctx-size", ("-c", "--ctx-size")),
+    "LLAMA_ARG_N_PREDICT": ("--n-predict", ("-n", "--n-predict")),
+    "LLAMA_ARG_THREADS": ("--threads", ("-t", "--threads")),
+    "LLAMA_ARG_THREADS_BATCH": ("--threads-batch", ("--threads-batch",)),
+    "LLAMA_ARG_PORT": ("--port", ("--port",)),
+    "LLAMA_API_KEY": ("--api-key", ("--api-key", "--api-key-file")),
+    "LLAMA_ARG_API_KEY_FILE": ("--api-key-file", ("--api-key", "--api-key-file")),
+    "LLAMA_ARG_ENDPOINT_METRICS": ("--metrics", ("--metrics",)),
+}
+SECRET_VARS = ("LLAMA_API_KEY",)
+SWITCH_VARS = ("LLAMA_ARG_ENDPOINT_METRICS",)
+GPU_FLAGS = (("-ngl", "--n-gpu-layers", "--gpu-layers"), ("-dev", "--device"),
+             ("-sm", "--split-mode"), ("-ts", "--tensor-split"), ("-mg", "--main-gpu"))
+GPU_VARS = ("LLAMA_ARG_N_GPU_LAYERS", "LLAMA_ARG_DEVICE", "LLAMA_ARG_SPLIT_MODE",
+            "LLAMA_ARG_TENSOR_SPLIT", "LLAMA_ARG_MAIN_GPU")
+
+
+def _given(argv: list[str], spellings: tuple[str, ...]) -> bool:
+    return any(a in spellings or (a.startswith("--") and a.split("=", 1)[0] in spellings)
+               for a in argv)
+
+
+def env_argv(argv: list[str], environ: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The command line with llama-server's variables read in, and one line for each
+    variable saying what it was read as (a key's value is never shown). SystemExit
+    for a variable that names no key."""
+    extra: list[str] = []
+    lines: list[str] = []
+    for var in sorted(v for v in environ if v.startswith("LLAMA_ARG_") or v == "LLAMA_API_KEY"):
+        value = environ[var]
+        if var in GPU_VARS:
+            lines.append(f"{var} is not used: this build runs on the CPU.")
+            continue
+        if var not in ENV_FLAGS:
+            why = " (the address widens only with --host)" if var == "LLAMA_ARG_HOST" else ""
+            lines.append(f"{var} is not read by bmoe-server{why}.")
+            continue
+        flag, spellings = ENV_FLAGS[var]
+        if _given(argv, spellings) or _given(extra, spellings):
+            lines.append(f"{var} is replaced by the command line's {flag}.")
+            continue
+        if var in SECRET_VARS and not value.strip():
+            raise SystemExit(f"bmoe-server: {var} is set but names no key.")
+        if var in SWITCH_VARS:
+            if value.strip().lower() in ("1", "true", "on", "enabled"):
+                extra.append(flag)
+                lines.append(f"{var} read as {flag}.")
+            continue
+        extra += [flag, value]
+        shown = "(the key)" if var in SECRET_VARS else value
+        lines.append(f"{var} read as {flag} {shown}.")
+    return [*argv, *extra], lines
+
+
 def add_flags(p: Any) -> None:
     p.add_argument("--metrics", action="store_true",
                    help="serve GET /metrics (Prometheus text format), as llama-server's "
                         "--metrics")
+    p.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="llama-server's slot count: this server has one slot (1 only)")
+    for names in GPU_FLAGS:
+        p.add_argument(*names, dest="gpu_" + names[-1].lstrip("-").replace("-", "_"),
+                       default=None, metavar="X",
+                       help="llama-server's GPU flag: accepted, no effect on this CPU build")
+
+
+def check_flags(args: Any) -> list[str]:
+    """Refusals (SystemExit) and the lines to print for llama-server's flags."""
+    if getattr(args, "parallel", 1) != 1:
+        raise SystemExit(f"bmoe-server: --parallel {args.parallel} is refused: this server "
+                         "answers one request at a time (one slot); leave it out or give 1.")
+    lines = []
+    for names in GPU_FLAGS:
+        value = getattr(args, "gpu_" + names[-1].lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            lines.append(f"{names[0]} {value} has no effect: this build runs on the CPU.")
+    return lines
 
 
 def attach(state: Any, args: Any) -> None:
