@@ -184,29 +184,26 @@ def test_a_stalled_subscriber_slows_neither_the_turn_nor_another_stream(
     assert stalled_s < 2 * base_s + 1.0, (stalled_s, base_s)
 
 
-def test_bus_drops_a_subscriber_that_falls_behind_and_never_blocks() -> None:
-    async def main() -> None:
-        bus = EventBus()
-        slow = bus.subscribe()
-        fast = bus.subscribe()
-        got: list[int] = []
-        async with trio.open_nursery() as nursery:
-            async def read_fast() -> None:
-                async for _name, data in fast.receive:
-                    got.append(data)
+async def test_bus_drops_a_subscriber_that_falls_behind_and_never_blocks() -> None:
+    bus = EventBus()
+    slow = bus.subscribe()
+    fast = bus.subscribe()
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+        async def read_fast() -> None:
+            async for _name, data in fast.receive:
+                got.append(data)
 
-            nursery.start_soon(read_fast)
-            for i in range(SUBSCRIBER_QUEUE * 3):
-                bus.publish("token", i)      # synchronous: cannot block by construction
-                await trio.lowlevel.checkpoint()
-            assert slow.dropped and bus.subscribers == 1
-            with pytest.raises(trio.EndOfChannel):
-                for _ in range(SUBSCRIBER_QUEUE + 1):
-                    slow.receive.receive_nowait()
-            fast.close()
-        assert got == list(range(SUBSCRIBER_QUEUE * 3))
-
-    trio.run(main)
+        nursery.start_soon(read_fast)
+        for i in range(SUBSCRIBER_QUEUE * 3):
+            bus.publish("token", i)      # synchronous: cannot block by construction
+            await trio.lowlevel.checkpoint()
+        assert slow.dropped and bus.subscribers == 1
+        with pytest.raises(trio.EndOfChannel):
+            for _ in range(SUBSCRIBER_QUEUE + 1):
+                slow.receive.receive_nowait()
+        fast.close()
+    assert got == list(range(SUBSCRIBER_QUEUE * 3))
 
 
 # --- the config over HTTP -------------------------------------------------------------------

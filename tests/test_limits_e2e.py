@@ -126,6 +126,7 @@ def test_one_running_and_sixteen_waiting_turns_then_busy(srv: ServerProcess) -> 
             held.append(conn)
             assert status == 200
             conn.read_until(b": waiting for a turn")
+        assert call(port, "GET", "/api/info").json()["waiting"] == limits.TURN_WAITING
         for opener in ("stream", "plain"):
             status, code, retry = read_refusal(port, opener)
             assert (status, code) == (503, "busy"), opener
@@ -145,7 +146,8 @@ def test_one_running_and_sixteen_waiting_turns_then_busy(srv: ServerProcess) -> 
     finally:
         close_all(streams)
         close_all(held)
-        time.sleep(0.2)
+        wait_for(lambda: call(port, "GET", "/api/info").json()["waiting"] == 0, 10,
+                 "the waiters to give their places back")
         reply = call(port, "POST", "/api/cancel")
         tail = running.read_until(b"data: [DONE]")
         running.close()

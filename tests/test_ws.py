@@ -40,13 +40,10 @@ def upgrade_app(seen: list[bytes], api_key: str | None = None) -> HttpApp:
     return HttpApp(table, AccessPolicy("127.0.0.1", port=PORT, api_key=api_key))
 
 
-def exchange(app: HttpApp, data: bytes) -> bytes:
+async def exchange(app: HttpApp, data: bytes) -> bytes:
     """Send ``data`` on one connection; everything the server wrote until it closed
-    (a kept-alive connection closes after its idle time, which the mock clock skips)."""
-    return trio.run(_exchange, app, data, clock=trio.testing.MockClock(autojump_threshold=0))
-
-
-async def _exchange(app: HttpApp, data: bytes) -> bytes:
+    (a kept-alive connection closes after its idle time, which the tests' autojump
+    clock skips)."""
     client, server = trio.testing.memory_stream_pair()
     received = bytearray()
     async with trio.open_nursery() as nursery:
@@ -57,9 +54,9 @@ async def _exchange(app: HttpApp, data: bytes) -> bytes:
     return bytes(received)
 
 
-def test_upgrade_answers_101_and_hands_over_the_stream_and_leftover_bytes() -> None:
+async def test_upgrade_answers_101_and_hands_over_the_stream_and_leftover_bytes(autojump_clock: trio.testing.MockClock) -> None:
     seen: list[bytes] = []
-    raw = exchange(upgrade_app(seen), UPGRADE_HEAD + b"early frame")
+    raw = await exchange(upgrade_app(seen), UPGRADE_HEAD + b"early frame")
     head, _, rest = raw.partition(b"\r\n\r\n")
     lines = head.decode().lower().split("\r\n")
     assert lines[0] == "http/1.1 101 "
@@ -67,16 +64,16 @@ def test_upgrade_answers_101_and_hands_over_the_stream_and_leftover_bytes() -> N
     assert rest == b"hello:early frame" and seen == [b"early frame"]
 
 
-def test_upgrade_route_without_an_upgrade_request_is_400() -> None:
+async def test_upgrade_route_without_an_upgrade_request_is_400(autojump_clock: trio.testing.MockClock) -> None:
     seen: list[bytes] = []
-    raw = exchange(upgrade_app(seen),
+    raw = await exchange(upgrade_app(seen),
                    b"GET /api/up HTTP/1.1\r\nHost: 127.0.0.1:8765\r\n\r\n")
     assert raw.startswith(b"HTTP/1.1 400 ") and b'"code":"bad_request"' in raw and not seen
 
 
-def test_upgrade_passes_the_access_checks_first() -> None:
+async def test_upgrade_passes_the_access_checks_first(autojump_clock: trio.testing.MockClock) -> None:
     seen: list[bytes] = []
-    raw = exchange(upgrade_app(seen, api_key="k"), UPGRADE_HEAD)
+    raw = await exchange(upgrade_app(seen, api_key="k"), UPGRADE_HEAD)
     assert raw.startswith(b"HTTP/1.1 401 ") and not seen
 
 

@@ -139,7 +139,8 @@ class ServerState:
                      "ram_available_mib": round(mem_available_mib()),
                      "cpu_threads": os.cpu_count() or 1},
             "state": self.state, "error": self.error, "model": self.model_info(),
-            "generating": self.generating, "calibrating": False,
+            "generating": self.generating, "waiting": self.turns.waiting,
+            "calibrating": False,
         }
         if self.state in ("loading", "planning") and self.load_started is not None:
             out["load_elapsed_s"] = round(time.monotonic() - self.load_started, 3)
