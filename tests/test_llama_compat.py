@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bmoe.server.llama_compat import env_argv
 
 KEY = "llama-compat-test-key"
-N_VOCAB = 576          # the tiny MoE's vocabulary (bmoe.engine.modelmaker)
+N_VOCAB = 576          # the tiny MoE's vocabulary (bmoe.modelmaker)
 
 POST_ROUTES = ["/completion", "/completions", "/v1/completions", "/tokenize", "/detokenize",
                "/apply-template", "/v1/chat/completions/input_tokens", "/chat/completions",
@@ -625,3 +625,50 @@ def test_parallel_above_one_is_refused_by_name(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
                           str(tmp_path), "-np", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--parallel 2 is refused" in out.stderr
+
+
+# -- compressed request bodies (the cap holds before and after decoding) -------------
+
+def test_decode_body_bounds() -> None:
+    import gzip
+    import zlib
+
+    from bmoe.http.errors import HTTPError
+    from bmoe.http.messages import decode_body
+    raw = b'{"content": "hi"}'
+    assert decode_body(gzip.compress(raw), "gzip", 100) == raw
+    assert decode_body(zlib.compress(raw), "deflate", 100) == raw
+    assert decode_body(b"", "gzip", 100) == b""
+    bomb = gzip.compress(b" " * 10_000_000)
+    assert len(bomb) < 20_000
+    for body, coding, status in ((bomb, "gzip", 413), (gzip.compress(raw) + b"x", "gzip", 400),
+                                 (gzip.compress(raw)[:-4], "gzip", 400), (b"not gzip", "gzip", 400),
+                                 (raw, "deflate", 400)):
+        with pytest.raises(HTTPError) as e:
+            decode_body(body, coding, 1_000_000)
+        assert e.value.status == status, (body[:20], coding)
+
+
+def test_compressed_bodies_end_to_end(srv: ServerProcess) -> None:
+    import gzip
+    import zlib
+    port = port_of(srv)
+    body = json.dumps({"prompt": "Hello", "n_predict": 2}).encode()
+    for coding, data in (("gzip", gzip.compress(body)), ("x-gzip", gzip.compress(body)),
+                         ("deflate", zlib.compress(body))):
+        reply = call(port, "POST", "/completion", raw=data,
+                     headers=[("Content-Encoding", coding)])
+        assert reply.status == 200 and reply.json()["tokens_predicted"] <= 2, coding
+    reply = call(port, "POST", "/tokenize", raw=gzip.compress(b'{"content": "hi"}'),
+                 headers=[("Content-Encoding", "gzip")])
+    assert reply.status == 200 and reply.json()["tokens"]
+    bomb = gzip.compress(b" " * (65 * 2**20))         # past the 64 MiB cap once decoded
+    reply = call(port, "POST", "/completion", raw=bomb, headers=[("Content-Encoding", "gzip")])
+    assert reply.status == 413
+    for coding in ("br", "gzip, gzip", "zstd"):
+        reply = call(port, "POST", "/completion", raw=body, headers=[("Content-Encoding", coding)])
+        assert reply.status == 415 and reply.header("accept-encoding") == "gzip, deflate", coding
+    reply = call(port, "POST", "/completion", raw=gzip.compress(body) + b"junk",
+                 headers=[("Content-Encoding", "gzip")])
+    assert reply.status == 400
+    assert alive(srv)

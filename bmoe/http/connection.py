@@ -58,7 +58,9 @@ from .errors import HTTPError, internal_error, sole_exception
 from .messages import (
     CLOSING_STATUSES,
     Address,
+    body_coding,
     build_request,
+    decode_body,
     malformed,
     response_headers,
     timed_out,
@@ -231,6 +233,7 @@ class Connection:
         declared = request.header("content-length")
         if too_long(declared, limit):
             raise too_large(limit)
+        coding = body_coding(request)      # refused before a 100 Continue invites the body
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(h11.InformationalResponse(status_code=100, headers=[]))
         start = trio.current_time()
@@ -243,6 +246,8 @@ class Connection:
                 raise too_large(limit)
             self.deadline = body_deadline(start, len(body))
         request.body = bytes(body)
+        if coding is not None:             # the cap holds again for the decoded bytes
+            request.body = await trio.to_thread.run_sync(decode_body, request.body, coding, limit)
 
     async def _drain(self, request: Request | None) -> bool:
         """Read and drop the rest of a refused request's small body; True if done."""

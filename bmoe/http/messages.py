@@ -5,6 +5,7 @@ No I/O here: values in, values out (tested without sockets).
 
 from __future__ import annotations
 
+import zlib
 from urllib.parse import parse_qsl, unquote
 
 import h11
@@ -39,6 +40,46 @@ def bad_request(message: str) -> HTTPError:
 
 def too_large(limit: int) -> HTTPError:
     return HTTPError(413, "too_large", f"The request body is over this route's limit of {limit} bytes.")
+
+
+# Request bodies sent compressed (as llama-server and its clients may): the route's body
+# cap holds for the bytes sent and again for the bytes they decode to.
+BODY_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS,
+                "deflate": zlib.MAX_WBITS}
+
+
+def body_coding(request: Request) -> str | None:
+    """The body's Content-Encoding (None for none or identity); 415 for a coding this
+    server does not read, or for two or more."""
+    values = [v for k, v in request.headers if k == "content-encoding"]
+    codings = [c.strip().lower() for v in values for c in v.split(",") if c.strip()]
+    codings = [c for c in codings if c != "identity"]
+    if not codings:
+        return None
+    if len(codings) > 1 or codings[0] not in BODY_CODINGS:
+        raise HTTPError(415, "unsupported_encoding", "Send the request body as it is, or "
+                        "compressed once with gzip or deflate.",
+                        headers=[("Accept-Encoding", "gzip, deflate")])
+    return codings[0]
+
+
+def decode_body(body: bytes, coding: str, limit: int) -> bytes:
+    """`body` decoded from `coding`, at most `limit` bytes (413 past it, 400 when it does
+    not decode or carries bytes past its stream). An empty body is read as sent."""
+    if not body:
+        return body
+    d = zlib.decompressobj(BODY_CODINGS[coding])
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error:
+        raise bad_request(f"The request body does not decode as {coding}.") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise too_large(limit)
+    if not d.eof:
+        raise bad_request(f"The request body's {coding} stream is cut short.")
+    if d.unused_data:
+        raise bad_request(f"The request body carries bytes past its {coding} stream.")
+    return out
 
 
 def timed_out() -> HTTPError:
