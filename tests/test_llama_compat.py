@@ -672,3 +672,23 @@ def test_compressed_bodies_end_to_end(srv: ServerProcess) -> None:
                  headers=[("Content-Encoding", "gzip")])
     assert reply.status == 400
     assert alive(srv)
+
+
+def test_shutdown_from_loopback_stops_cleanly(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, wait_ready=False)
+    try:
+        port = port_of(srv)
+        assert call(port, "POST", "/shutdown", json_type=False,
+                    headers=[("Content-Type", "text/plain")]).status == 415
+        assert call(port, "POST", "/shutdown", body={},
+                    headers=[("Origin", "http://evil.example")]).status == 403
+        reply = call(port, "POST", "/shutdown", body={})
+        assert reply.status == 200 and reply.json() == {"status": "stopping"}
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
+
+
+def test_shutdown_is_on_the_local_only_list() -> None:
+    from bmoe.http import access
+    assert ("POST", "/shutdown") in access.local_only_routes()

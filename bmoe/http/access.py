@@ -78,6 +78,8 @@ def local_only_routes() -> list[tuple[str, str]]:
         ("POST", "/api/connect/{id}"),
         ("POST", "/api/conversations/{id}/approval"),
         ("GET", "/api/conversations/{id}/file"),
+        # Stopping the server.
+        ("POST", "/shutdown"),
     ]
 
 
@@ -102,7 +104,7 @@ def llama_server_paths() -> tuple[str, ...]:
     below it is API, with the key, Origin and 415 checks of ``/api`` and ``/v1``."""
     return ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
             "/props", "/slots", "/metrics", "/models", "/chat", "/infill", "/embedding",
-            "/embeddings", "/rerank", "/reranking", "/lora-adapters", "/health")
+            "/embeddings", "/rerank", "/reranking", "/lora-adapters", "/health", "/shutdown")
 
 
 PUBLIC_PATHS = ("/health", "/v1/health")   # llama-server's health check: no key

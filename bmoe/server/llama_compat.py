@@ -17,9 +17,12 @@ sends is checked against the vocabulary there first.
 
 from __future__ import annotations
 
+import os
+import signal
 from functools import partial
 from typing import Any, Callable
 
+import trio
 from pydantic import StrictBool, StrictStr
 
 from .. import __version__
@@ -153,6 +156,7 @@ def register(table: RouteTable, state: ServerState) -> None:
     add("GET", "/v1/models/{id}", model)
     add("GET", "/api/tags", ollama_tags)
     add("POST", "/api/show", ollama_show)
+    add("POST", "/shutdown", shutdown)
 
 
 def not_supported(message: str) -> HTTPError:
@@ -299,6 +303,26 @@ async def input_tokens(state: ServerState, request: Request) -> Response:
     req = openai_chat.decode(request.json_object(), state.config)
     out = await on_engine(state, _render, req, True)
     return Response.json({"input_tokens": len(out["prompt_ids"])})
+
+
+# -- stopping ----------------------------------------------------------------------
+
+SHUTDOWN_DELAY_S = 0.2   # the answer goes out before the stop begins
+
+
+async def shutdown(state: ServerState, request: Request) -> Response:
+    """Stop the server as SIGTERM does (the running answer ends, exit 0); from this
+    machine only (also on the local-only list, enforced before routing)."""
+    if not request.peer_is_loopback:
+        raise HTTPError(403, "local_only", "This route answers a client on this machine only.")
+    request.json_object()
+
+    async def later() -> None:
+        await trio.sleep(SHUTDOWN_DELAY_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    trio.lowlevel.spawn_system_task(later)
+    return Response.json({"status": "stopping"})
 
 
 # -- metrics -----------------------------------------------------------------------
