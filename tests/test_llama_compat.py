@@ -692,3 +692,46 @@ def test_shutdown_from_loopback_stops_cleanly(tmp_path: Path) -> None:
 def test_shutdown_is_on_the_local_only_list() -> None:
     from bmoe.http import access
     assert ("POST", "/shutdown") in access.local_only_routes()
+
+
+def test_config_file_rules(tmp_path: Path) -> None:
+    from bmoe.server.llama_compat import config_argv
+    from bmoe.server.main import build_parser
+    parser = build_parser()
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"model": "m.gguf", "ctx-size": 4096, "metrics": True,
+                               "allow-origin": ["http://a", "http://b"], "api-key": "k"}))
+    argv, lines = config_argv(["--config", str(cfg), "-c", "640"], parser)
+    assert argv == ["--model", "m.gguf", "--metrics", "--allow-origin", "http://a",
+                    "--allow-origin", "http://b", "--api-key", "k", "-c", "640"]
+    text = "\n".join(lines)
+    assert "ctx-size is replaced by the command line's --ctx-size" in text
+    assert "model read as --model m.gguf" in text
+    assert "api-key read as --api-key (not shown)." in text
+    args = parser.parse_args(argv)
+    assert args.metrics and args.api_key == "k"
+    for body, why in (('{"model": "a", "model": "b"}', "twice"), ('[1]', "one JSON object"),
+                      ('{"--model": "a"}', "without its dashes"), ('{"help": true}', "asks"),
+                      ('{"metrics": false}', "false"), ('{"model": null}', "null"),
+                      ('{"model": true}', "takes a value"), ('{"metrics": "yes"}', "switch"),
+                      ('{"nope": 1}', "not a flag"), ('{"model": {}}', "model"),
+                      ('{"scan-dir": []}', "empty list"), ("{", "not JSON")):
+        cfg.write_text(body)
+        with pytest.raises(SystemExit, match=why):
+            config_argv(["--config", str(cfg)], parser)
+    with pytest.raises(SystemExit, match="twice"):
+        config_argv(["--config", str(cfg), "--config=x"], parser)
+    with pytest.raises(SystemExit, match="cannot be read"):
+        config_argv(["--config", str(tmp_path / "missing.json")], parser)
+
+
+def test_server_starts_from_a_config_file(tmp_path: Path, tiny_moe: Path) -> None:
+    cfg = tmp_path / "server.json"
+    cfg.write_text(json.dumps({"model": str(tiny_moe), "ctx-size": 1280, "metrics": True}))
+    srv = start_server(tmp_path / "data", "--config", str(cfg), "-c", "768")
+    try:
+        status, _, props = srv.request("GET", "/props")
+        assert status == 200 and props["default_generation_settings"]["n_ctx"] == 768
+        assert srv.request("GET", "/metrics")[0] == 200
+    finally:
+        srv.stop()

@@ -101,7 +101,110 @@ def env_argv(argv: list[str], environ: dict[str, str]) -> tuple[list[str], list[
     return [*argv, *extra], lines
 
 
+CONFIG_MAX_BYTES = 1 << 20
+CONFIG_ACTIONS = ("help", "version", "config")   # keys that ask the start to do something
+CONFIG_QUIET = ("api-key",)                     # entries whose value is never printed
+
+
+def config_argv(argv: list[str], parser: Any) -> tuple[list[str], list[str]]:
+    """`--config FILE` (one JSON object of flags, llama-server's rules) read into the
+    command line, and one line for each entry saying what it was read as. The command
+    line's flag, in any spelling, replaces the file's entry. SystemExit names what is
+    refused."""
+    spots = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not spots:
+        return argv, []
+    if len(spots) > 1:
+        raise SystemExit("bmoe-server: --config is given twice.")
+    i = spots[0]
+    if argv[i] == "--config":
+        if i + 1 >= len(argv):
+            raise SystemExit("bmoe-server: --config needs a file.")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+    actions = parser._option_string_actions
+    given = {actions[a.split("=", 1)[0]].dest for a in rest
+             if a.startswith("-") and a.split("=", 1)[0] in actions}
+    extra: list[str] = []
+    lines: list[str] = []
+    for key, value in _read_config(path):
+        args, line = _config_entry(path, key, value, actions, given)
+        extra += args
+        lines.append(line)
+    return [*extra, *rest], lines
+
+
+def _read_config(path: str) -> list[tuple[str, Any]]:
+    import json
+
+    def refuse(why: str) -> SystemExit:
+        return SystemExit(f"bmoe-server: --config {path}: {why}")
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(CONFIG_MAX_BYTES + 1)
+    except OSError as e:
+        raise refuse(f"cannot be read ({e.strerror or 'unreadable'}).") from None
+    if len(data) > CONFIG_MAX_BYTES:
+        raise refuse(f"is larger than {CONFIG_MAX_BYTES} bytes.")
+    try:                                # every object as its (key, value) pairs, in order
+        decoded = json.loads(data.decode("utf-8"), object_pairs_hook=lambda kv: kv)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise refuse("is not JSON.") from None
+    if not isinstance(decoded, list) or any(not isinstance(kv, tuple) for kv in decoded):
+        raise refuse("is not one JSON object of flags.")
+    keys = [k for k, _ in decoded]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise refuse(f"names {twice[0]} twice.")
+    return list(decoded)
+
+
+def _config_entry(path: str, key: str, value: Any, actions: dict[str, Any],
+                  given: set[str]) -> tuple[list[str], str]:
+    def refuse(why: str) -> SystemExit:
+        return SystemExit(f"bmoe-server: --config {path}: {why}")
+
+    if key.startswith("-"):
+        raise refuse(f"write the key {key} without its dashes.")
+    if key in CONFIG_ACTIONS:
+        raise refuse(f"{key} asks the start to do something; it is not a setting.")
+    flag = "--" + key
+    action = actions.get(flag)
+    if action is None:
+        raise refuse(f"{key} is not a flag of bmoe-server.")
+    if action.dest in given:
+        return [], f"{path}: {key} is replaced by the command line's {flag}."
+    switch = action.nargs == 0
+    if value is True:
+        if not switch:
+            raise refuse(f"{key} takes a value, not true.")
+        return [flag], f"{path}: {key} read as {flag}."
+    if value is False or value is None or isinstance(value, (dict, tuple)) or value == []:
+        raise refuse(f"{key} cannot be {_json_text(value)}: give a value, or leave it out.")
+    if switch:
+        raise refuse(f"{key} is a switch: give true, or leave it out.")
+    values = value if isinstance(value, list) else [value]
+    if any(isinstance(v, (bool, dict, list, tuple)) or v is None for v in values):
+        raise refuse(f"{key} takes strings or numbers.")
+    out = [a for v in values for a in (flag, str(v))]
+    shown = "(not shown)" if key in CONFIG_QUIET else " ".join(str(v) for v in values)
+    return out, f"{path}: {key} read as {flag} {shown}."
+
+
+def _json_text(value: Any) -> str:
+    if value is False:
+        return "false"
+    if value is None:
+        return "null"
+    return "an empty list" if value == [] else "an object"
+
+
 def add_flags(p: Any) -> None:
+    p.add_argument("--config", metavar="FILE",
+                   help="read flags from one JSON object ({\"ctx-size\": 8192, ...}); the "
+                        "command line replaces its entries")
     p.add_argument("--metrics", action="store_true",
                    help="serve GET /metrics (Prometheus text format), as llama-server's "
                         "--metrics")
