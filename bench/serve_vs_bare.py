@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llama_cpp as lc  # noqa: E402
 
-from bmoe.engine.modelmaker import make_model  # noqa: E402
+from bmoe.modelmaker import make_model  # noqa: E402
 from bmoe.engine.session import Session  # noqa: E402
 from bmoe.engine.turn import TurnRequest, prepare, run_turn  # noqa: E402
 

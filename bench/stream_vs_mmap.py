@@ -116,7 +116,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 # -- the parent ----------------------------------------------------------------------------
 
 def make_bench_model(args: argparse.Namespace) -> Path:
-    from bmoe.engine.modelmaker import make_model
+    from bmoe.modelmaker import make_model
 
     path = Path(args.dir) / (f"bench-{args.layers}x{args.experts}-top{args.top_k}-"
                              f"{args.dtype}-e{args.embd}-f{args.ff_exp}.gguf")

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "make-model":
-        from .engine.modelmaker import main_make_model
+        from .modelmaker import main_make_model
         return main_make_model(argv[1:])
     args = build_parser().parse_args(argv)
     if args.describe_params:

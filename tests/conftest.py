@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from bmoe.engine.modelmaker import make_model
+from bmoe.modelmaker import make_model
 
 START_TIMEOUT_S = 60.0
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import anthropic
 import pytest
 
-from bmoe.engine.modelmaker import make_model
+from bmoe.modelmaker import make_model
 from bmoe.http.errors import HTTPError
 from bmoe.server import anthropic as messages_api
 from conftest import ServerProcess, start_server

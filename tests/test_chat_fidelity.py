@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from bmoe.engine.modelmaker import make_model
+from bmoe.modelmaker import make_model
 from conftest import ServerProcess, start_server
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from conftest import ServerProcess, start_server
-from bmoe.engine.modelmaker import make_model
+from bmoe.modelmaker import make_model
 from test_grammar_bounds import ISSUE_SCHEMAS
 
 

@@ -28,7 +28,7 @@ from bmoe.engine.experts import reader as reader_mod
 from bmoe.engine.experts.budget import MIB, resolve
 from bmoe.engine.experts.cache import ExpertCache, NoCache
 from bmoe.engine.experts.layout import read_layout
-from bmoe.engine.modelmaker import make_model
+from bmoe.modelmaker import make_model
 from bmoe.engine.session import Session
 from bmoe.engine.turn import TurnRequest, prepare, run_turn
 

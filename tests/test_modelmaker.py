@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from bmoe.engine import modelmaker as mm
-from bmoe.engine.templates import TEMPLATES, chat_template, render_chat
+from bmoe import modelmaker as mm
+from bmoe.modelmaker.templates import TEMPLATES, chat_template, render_chat
 
 T = gguf.GGMLQuantizationType
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from bmoe.engine.modelmaker import make_model
+from bmoe.modelmaker import make_model
 from bmoe.server import responses as responses_api
 from conftest import ServerProcess, start_server
 

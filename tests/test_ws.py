@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from trio.testing import MockClock
 
 from _clients import (EventStream, WebSocketClient, WebSocketRefused, host_port,
                       quick_server)  # noqa: F401 - a fixture
@@ -54,7 +55,7 @@ async def exchange(app: HttpApp, data: bytes) -> bytes:
     return bytes(received)
 
 
-async def test_upgrade_answers_101_and_hands_over_the_stream_and_leftover_bytes(autojump_clock: trio.testing.MockClock) -> None:
+async def test_upgrade_answers_101_and_hands_over_the_stream_and_leftover_bytes(autojump_clock: MockClock) -> None:
     seen: list[bytes] = []
     raw = await exchange(upgrade_app(seen), UPGRADE_HEAD + b"early frame")
     head, _, rest = raw.partition(b"\r\n\r\n")
@@ -64,14 +65,14 @@ async def test_upgrade_answers_101_and_hands_over_the_stream_and_leftover_bytes(
     assert rest == b"hello:early frame" and seen == [b"early frame"]
 
 
-async def test_upgrade_route_without_an_upgrade_request_is_400(autojump_clock: trio.testing.MockClock) -> None:
+async def test_upgrade_route_without_an_upgrade_request_is_400(autojump_clock: MockClock) -> None:
     seen: list[bytes] = []
     raw = await exchange(upgrade_app(seen),
                    b"GET /api/up HTTP/1.1\r\nHost: 127.0.0.1:8765\r\n\r\n")
     assert raw.startswith(b"HTTP/1.1 400 ") and b'"code":"bad_request"' in raw and not seen
 
 
-async def test_upgrade_passes_the_access_checks_first(autojump_clock: trio.testing.MockClock) -> None:
+async def test_upgrade_passes_the_access_checks_first(autojump_clock: MockClock) -> None:
     seen: list[bytes] = []
     raw = await exchange(upgrade_app(seen, api_key="k"), UPGRADE_HEAD)
     assert raw.startswith(b"HTTP/1.1 401 ") and not seen

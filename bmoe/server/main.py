@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     models_dir.mkdir(parents=True, exist_ok=True)
     launch = params.values_from_namespace(args)
     if args.demo and not launch.get("model"):
-        from ..engine.modelmaker import ensure_demo_model
+        from ..modelmaker import ensure_demo_model
         launch["model"] = str(ensure_demo_model(data_dir))
     options = ServerOptions(host=args.host, port=args.port, data_dir=data_dir,
                             models_dir=models_dir,
