@@ -140,8 +140,8 @@ def test_a_request_becomes_template_messages() -> None:
                         {"type": "tool_reference", "tool_name": "g"}]}]},
                 {"role": "system", "content": "later"},
                 {"role": "user", "content": "Q2"}]}
-    messages, n_images = messages_api.convert_messages(body)
-    assert n_images == 0
+    messages, images = messages_api.convert_messages(body)
+    assert len(images) == 0
     assert messages == [
         {"role": "system", "content": "A\n\nB"},
         {"role": "user", "content": "Q"},
@@ -489,7 +489,8 @@ def test_access_refusals_take_the_messages_shape(keyed_server: ServerProcess) ->
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {
         "type": "text", "media_type": "text/plain", "data": "x"}}]}]}, "a file"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+        "type": "base64", "media_type": "image/png",
+        "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"}}]}]},
      "an image on a model without a projector"),
     ({"messages": user("x"), "tool_choice": {"type": "any"}}, "tool_choice any without tools"),
     ({"messages": user("x"), "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},

@@ -142,8 +142,8 @@ def test_input_items_become_template_messages() -> None:
         *ONE_TURN, *OUTPUTS,
         {"type": "message", "role": "system", "content": "later"},
         {"role": "user", "content": "Q2"}]}
-    messages, n_images = responses_api.convert_input(body)
-    assert n_images == 0
+    messages, images = responses_api.convert_input(body)
+    assert len(images) == 0
     assert messages == [
         {"role": "system", "content": "I\n\nD"},
         {"role": "user", "content": "Q"},

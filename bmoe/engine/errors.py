@@ -39,3 +39,9 @@ def context_full(n_prompt: int, n_ctx: int) -> EngineError:
         f"The conversation is {n_prompt} tokens and the context ({{ctx-size}}) holds "
         f"{n_ctx}: no room for an answer. Raise {{ctx-size}} or shorten the conversation.",
         param="ctx-size", n_prompt=n_prompt, n_ctx=n_ctx)
+
+
+def no_vision() -> EngineError:
+    return EngineError("no_vision", "The loaded model reads no images: it was loaded without "
+                       "an image projector. Send text only, or load the model with its "
+                       "projector ({mmproj}, or a projector of the same model in its folder).")

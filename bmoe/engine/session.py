@@ -34,6 +34,7 @@ from .errors import EngineError, LoadError, context_full
 from .grammar_guard import GrammarRefused, check_grammar
 from .sampling import Sampling, build_chain, top_logprobs
 from .templating import ChatTemplate, TemplateError
+from .vision import Vision, open_vision, reuse_start
 
 log = logging.getLogger("bmoe.chat")
 
@@ -131,6 +132,7 @@ class Session:
         self.streamer: Streamer | None = None
         self._batch = None
         self.tool_framing: str | None = None
+        self.vision: Vision | None = None
         try:
             self._open(streamer_factory)
         except BaseException:
@@ -163,6 +165,7 @@ class Session:
         self.n_expert = int(count) if count and count.isdigit() else 0
         self._make_context()
         self._setup_template()
+        self.vision = open_vision(self)
 
     def _make_context(self) -> None:
         cparams = lc.llama_context_default_params()
@@ -226,6 +229,9 @@ class Session:
             return None
 
     def close(self) -> None:
+        vision, self.vision = getattr(self, "vision", None), None
+        if vision is not None:
+            vision.close()
         if self._batch is not None:
             lc.llama_batch_free(self._batch)
             self._batch = None
@@ -355,6 +361,24 @@ class Session:
             lc.llama_memory_seq_rm(self.memory, 0, pos0, -1)
             raise EngineError("failed", message)
 
+    def _decode_prompt(self, prompt: list[int], reused: int, cancel: threading.Event) -> int:
+        """Decode the prompt past `reused`; images (negative ids) through the projector.
+        Returns where decoding started (an image is decoded whole, so maybe earlier)."""
+        if self.vision is None or min(prompt[reused:], default=0) >= 0:
+            self._decode(prompt[reused:], reused, want_logits=True)
+            return reused
+        start = reuse_start(self.vision, prompt, reused)
+        try:
+            if start < reused:
+                lc.llama_memory_seq_rm(self.memory, 0, start, -1)
+                del self.kv_tokens[start:]
+            self.vision.prefill(self, prompt, start, cancel)
+        except BaseException:
+            lc.llama_memory_seq_rm(self.memory, 0, start, -1)   # the KV as kv_tokens says
+            del self.kv_tokens[start:]
+            raise
+        return start
+
     def _reuse_prefix(self, prompt: list[int]) -> int:
         n = 0
         limit = min(len(prompt) - 1, len(self.kv_tokens))
@@ -375,7 +399,7 @@ class Session:
         if self.streamer is not None:
             self.streamer.prefill_begin()
         try:
-            self._decode(prompt[reused:], reused, want_logits=True)
+            reused = self._decode_prompt(prompt, reused, cancel)
         except _Aborted:
             lc.llama_memory_seq_rm(self.memory, 0, reused, -1)
             raise

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from . import grammar as gbnf
 from .chatparse import CALL_OPEN
-from .errors import EngineError, context_full
+from .errors import EngineError, context_full, no_vision
+from .images import ImageSet
 from .sampling import Sampling, check_tokens
 from .session import Generation, Session, TokenEvent
 from .telemetry import ProcessProbe, token_record
@@ -47,6 +48,8 @@ class TurnRequest:
     raw_prompt: list[str | int] | None = None
     sampling: Sampling | None = None
     cache_prompt: bool = True
+    # the request's images, each marked at its place in `messages` (`images.ImageSet`)
+    images: ImageSet | None = None
 
     def conflict(self) -> str | None:
         """Why these choices cannot hold together (a sentence), or None."""
@@ -72,6 +75,7 @@ class Prepared:
     grammar: str | None
     steps: int                                       # the token budget as a number
     grammar_triggers: list[int] = field(default_factory=list)  # lazy grammar: its trigger tokens
+    image_tokens: int = 0                            # of `tokens`, what images take
 
 
 @dataclass
@@ -95,11 +99,11 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
         text = session.render(req.messages, tools=req.offered_tools(), enable_thinking=req.think)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e
-    tokens = session.tokenize(text)
+    tokens, cells, image_tokens = _prompt_tokens(session, text, req.images)
     if not tokens:
         raise EngineError("empty_prompt", "The conversation rendered to an empty prompt.")
-    if len(tokens) >= session.n_ctx:
-        raise context_full(len(tokens), session.n_ctx)
+    if cells >= session.n_ctx:
+        raise context_full(cells, session.n_ctx)
     starts = req.think and ends_inside_think(text)
     framing = session.tool_framing if req.offered_tools() else None
     grammar = choose_grammar(req, session.tool_framing, starts)
@@ -109,7 +113,21 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
         grammar = grammar.text if triggers else None
     room = session.n_ctx - len(tokens)
     steps = room if req.max_tokens <= 0 else min(req.max_tokens, room)
-    return Prepared(text, tokens, starts, framing, grammar, steps, triggers)
+    return Prepared(text, tokens, starts, framing, grammar, steps, triggers, image_tokens)
+
+
+def _prompt_tokens(session: Session, text: str,
+                   images: ImageSet | None) -> tuple[list[int], int, int]:
+    """The prompt's ids, the KV cells they take, and how many are image tokens."""
+    if not images:
+        if session.vision is not None:
+            session.vision.release()
+        tokens = session.tokenize(text)
+        return tokens, len(tokens), 0
+    if session.vision is None:
+        raise no_vision()
+    vp = session.vision.build_prompt(session, text, images)
+    return vp.tokens, vp.n_cells, vp.image_tokens
 
 
 def raw_tokens(session: Session, parts: list[str | int]) -> list[int]:
@@ -214,10 +232,15 @@ def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: thr
 
     if not req.cache_prompt:
         session.clear_kv()
+    encodes = session.vision.encodes if session.vision is not None else 0
     gen = session.generate(prepared.tokens, max_tokens=req.max_tokens, cancel=cancel,
                            on_token=on_token, grammar=prepared.grammar,
                            grammar_triggers=prepared.grammar_triggers, sampling=req.sampling)
     summary = summarize(session, gen, sums, last, time.monotonic() - t0)
+    if prepared.image_tokens:
+        summary["image_tokens"] = prepared.image_tokens
+        summary["images_encoded"] = (session.vision.encodes - encodes
+                                     if session.vision is not None else 0)
     return TurnResult(prepared, gen, summary)
 
 

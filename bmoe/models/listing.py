@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .pairing import Names, pair
 from .probe import ModelProbe, is_gguf_name, probe_files, shard_name, split_parts
 
 
@@ -180,10 +181,11 @@ def scan(dirs: list[Path], probes: ProbeCache) -> list[LocalModel]:
 
 
 def _pair_projectors(models: list[LocalModel]) -> None:
-    projectors: dict[tuple[str, str, str], str] = {}
+    """Each model's projector in its folder, by their headers (`pairing`)."""
+    folders: dict[tuple[str, str], list[tuple[str, Names]]] = {}
     for m in models:
-        if m.probe.role == "projector" and m.probe.name:
-            projectors.setdefault((str(m.dir), m.folder, m.probe.name), m.name)
+        if m.probe.role == "projector":
+            folders.setdefault((str(m.dir), m.folder), []).append((m.name, Names.of(m.probe)))
     for m in models:
         if m.probe.role == "model":
-            m.projector = projectors.get((str(m.dir), m.folder, m.probe.name), "")
+            m.projector = pair(Names.of(m.probe), folders.get((str(m.dir), m.folder), []))

@@ -281,6 +281,7 @@ class ModelProbe:
     # not on the wire: what the listing and the planner also want
     reason: str = field(default="", repr=False)       # why it is not readable
     name: str = field(default="", repr=False)         # general.name
+    base_names: tuple[str, ...] = field(default=(), repr=False)  # basename, base models'
     split_count: int = field(default=0, repr=False)
     header_bytes: int = field(default=0, repr=False)
 
@@ -314,9 +315,18 @@ class ModelProbe:
         p.n_layer = max(0, p.block_count - nextn) if p.block_count else 0
         p.split_count = max(1, _int(kv.get("split.count")))
         p.role = _role(kv, arch, p.block_count, nextn)
+        p.base_names = _base_names(kv)
         _sizes(p, tensors)
         p.streamable, p.refusal = _streaming(p, tensors, len(headers))
         return p
+
+
+def _base_names(kv: dict[str, Any]) -> tuple[str, ...]:
+    """`general.basename` and the base models' names: what a projector may be paired by."""
+    names = [_str(kv.get("general.basename"))]
+    names += [_str(kv.get(f"general.base_model.{i}.name"))
+              for i in range(min(_int(kv.get("general.base_model.count")), 8))]
+    return tuple(n for n in names if n)
 
 
 def _str(v: Any) -> str:

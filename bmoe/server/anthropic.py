@@ -32,11 +32,13 @@ from typing import Any
 
 from ..engine.chatparse import BlockAppend, BlockClose, BlockEvent, BlockOpen, ParseView
 from ..engine.errors import EngineError
+from ..engine.images import ImageSet
 from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, turnservice, wire
+from .imageparts import image_part, image_tokens
 from .shapes import anthropic_error, engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting,
@@ -79,7 +81,7 @@ def system_text(raw: Any) -> str:
     return _text_blocks(blocks, "system")
 
 
-def _image_url(block: dict[str, Any], where: str) -> str:
+def _image(block: dict[str, Any], where: str, images: ImageSet, message: str) -> str:
     source = field(block, "source", dict, where=where)
     if source is None:
         raise invalid_request(f"`{where}.source` is required.")
@@ -88,12 +90,11 @@ def _image_url(block: dict[str, Any], where: str) -> str:
                               "fetch URLs or files.")
     media = field(source, "media_type", str, "", where=f"{where}.source")
     data = field(source, "data", str, "", where=f"{where}.source")
-    url = f"data:{media};base64,{data}"
-    chatreq.check_image_url(url, f"{where}.source")
-    return url
+    return image_part(images, f"data:{media};base64,{data}", f"{where}.source", message)
 
 
-def _tool_result_text(block: dict[str, Any], where: str, images: list[str]) -> str:
+def _tool_result_text(block: dict[str, Any], where: str, images: ImageSet,
+                      message: str) -> str:
     content = block.get("content")
     if content is None or isinstance(content, str):
         return content or ""
@@ -105,7 +106,7 @@ def _tool_result_text(block: dict[str, Any], where: str, images: list[str]) -> s
         elif kind == "tool_reference":
             parts.append("Tool loaded: " + required(part, "tool_name", str, where=at))
         elif kind == "image":
-            images.append(_image_url(part, at))
+            parts.append(_image(part, at, images, message))
         elif kind == "document":
             raise invalid_request(f"`{at}`: documents are not supported; send text.")
         else:
@@ -114,7 +115,7 @@ def _tool_result_text(block: dict[str, Any], where: str, images: list[str]) -> s
 
 
 def _user_message(blocks: list[dict[str, Any]], where: str,
-                  images: list[str]) -> list[dict[str, Any]]:
+                  images: ImageSet) -> list[dict[str, Any]]:
     texts: list[str] = []
     results: list[dict[str, Any]] = []
     for i, block in enumerate(blocks):
@@ -122,11 +123,11 @@ def _user_message(blocks: list[dict[str, Any]], where: str,
         if kind == "text":
             texts.append(required(block, "text", str, where=at))
         elif kind == "image":
-            images.append(_image_url(block, at))
+            texts.append(_image(block, at, images, where))
         elif kind == "tool_result":
             results.append({"role": "tool",
                             "tool_call_id": required(block, "tool_use_id", str, where=at),
-                            "content": _tool_result_text(block, at, images)})
+                            "content": _tool_result_text(block, at, images, where)})
         elif kind == "document":
             raise invalid_request(f"`{at}`: documents are not supported; send text.")
         else:
@@ -161,12 +162,12 @@ def _assistant_message(blocks: list[dict[str, Any]], where: str) -> dict[str, An
     return msg
 
 
-def convert_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+def convert_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages (one system message first) and the images they carry."""
     raw = object_list(body.get("messages"), "messages")
     if not raw:
         raise invalid_request("`messages` must hold at least one message.")
-    images: list[str] = []
+    images = ImageSet()
     out: list[dict[str, Any]] = []
     system = system_text(body.get("system"))
     if system:
@@ -193,7 +194,7 @@ def convert_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     if out[-1]["role"] not in ("user", "tool"):
         raise invalid_request("The last message must be from the user or carry tool results: "
                               "the engine does not continue a prefilled assistant answer.")
-    return out, len(images)
+    return out, images
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -263,26 +264,24 @@ def _output_schema(raw: Any) -> dict[str, Any] | None:
         {"type": "object"}
 
 
-def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, int]:
+def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ImageSet]:
     """The turn a body asks for and the images it carries: every field checked, no model
     needed (count_tokens reads the same body)."""
     chatreq.refuse_lone_surrogates(body)
     wire.parse(wire.MessagesBody, body)
-    messages, n_images = convert_messages(body)
-    chatreq.count_images(n_images)
+    messages, images = convert_messages(body)
     tools = convert_tools(body.get("tools"))
     choice, named = tool_choice(body.get("tool_choice"), tools)
     schema = _output_schema(body.get("output_config"))
     budget = chatreq.budget(body.get("max_tokens"), "max_tokens", config.values)
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=budget, think=_think(config, body.get("thinking")),
-                      schema=schema)
-    return chatreq.checked(req, "(`tool_choice` \"any\" or \"tool\")"), n_images
+                      schema=schema, images=images)
+    return chatreq.checked(req, "(`tool_choice` \"any\" or \"tool\")"), images
 
 
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
-    req, n_images = read_turn(body, config)
-    chatreq.check_images(n_images)
+    req, _ = read_turn(body, config)
     return req
 
 
@@ -438,5 +437,5 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:
-    req, _ = read_turn(request.json_object(), state.config)
-    return Response.json({"input_tokens": estimate_tokens(req)})
+    req, images = read_turn(request.json_object(), state.config)
+    return Response.json({"input_tokens": estimate_tokens(req) + image_tokens(state, images)})

@@ -1,6 +1,6 @@
 """Reading the parts of a request that every protocol shares.
 
-Thinking precedence, the token budget, output schemas and image checks are the
+Thinking precedence, the token budget and output schemas are the
 same on `/v1/chat/completions`, `/v1/messages` and `/v1/responses`; the adapters
 call these with the values their protocol carries.
 """
@@ -11,9 +11,8 @@ from typing import Any
 
 from ..engine import params
 from ..engine.turn import TurnRequest
-from ..http.errors import HTTPError, invalid_request
+from ..http.errors import invalid_request
 
-MAX_IMAGES = 8
 N_PREDICT_MAX = 2**20
 MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in one schema; the grammar builder recurses
 
@@ -124,32 +123,6 @@ def response_format_schema(response_format: Any, top_level: Any) -> dict[str, An
         return schema_object(wrapper.get("schema"), "response_format.json_schema.schema") or {"type": "object"}
     raise invalid_request(f"`response_format.type` {kind!r} is not supported: use "
                           "\"text\", \"json_object\" or \"json_schema\".")
-
-
-def check_image_url(url: Any, name: str) -> None:
-    """An image travels inline as a data URL; the loaded model must read images."""
-    if not isinstance(url, str):
-        raise invalid_request(f"`{name}` must be a string data URL.")
-    if not url.startswith("data:image/"):
-        raise invalid_request(f"`{name}` must be an inline data URL (data:image/...;base64,...): "
-                              "the server does not fetch URLs.")
-
-
-def no_vision() -> HTTPError:
-    return HTTPError(400, "no_vision", "The loaded model reads no images (it was loaded without "
-                     "an image projector). Send text only, or load a model with its projector.")
-
-
-def count_images(n: int) -> None:
-    if n > MAX_IMAGES:
-        raise invalid_request(f"A request may carry at most {MAX_IMAGES} images; this one has {n}.")
-
-
-def check_images(n: int) -> None:
-    """Images are counted, then refused: no loaded model reads them yet."""
-    count_images(n)
-    if n:
-        raise no_vision()
 
 
 def checked(req: TurnRequest, required_hint: str = "") -> TurnRequest:

@@ -9,11 +9,13 @@ from typing import Any, Callable
 
 from ..engine.chatparse import random_call_ids
 from ..engine.errors import EngineError
+from ..engine.images import ImageSet
 from ..engine.turn import TurnRequest
 from ..http.errors import invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, turnservice, wire
+from .imageparts import image_part
 from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Ping, ReasoningDelta, Reset, Shape, Started,
@@ -25,7 +27,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # -- request ------------------------------------------------------------------
 
-def _text_of_parts(parts: list[Any], where: str, images: list[str]) -> str:
+def _text_of_parts(parts: list[Any], where: str, images: ImageSet | None,
+                   message: str) -> str:
     out = []
     for i, part in enumerate(parts):
         if not isinstance(part, dict):
@@ -39,8 +42,7 @@ def _text_of_parts(parts: list[Any], where: str, images: list[str]) -> str:
         elif kind == "image_url":
             img = part.get("image_url")
             url = img.get("url") if isinstance(img, dict) else img
-            chatreq.check_image_url(url, f"{where}[{i}].image_url.url")
-            images.append(url)
+            out.append(image_part(images, url, f"{where}[{i}].image_url.url", message))
         elif kind in ("input_audio", "file", "audio"):
             raise invalid_request(f"`{where}[{i}]`: {kind} parts are not supported; send text.")
         else:
@@ -48,12 +50,12 @@ def _text_of_parts(parts: list[Any], where: str, images: list[str]) -> str:
     return "".join(out)
 
 
-def _content(msg: dict[str, Any], where: str, images: list[str]) -> str | None:
+def _content(msg: dict[str, Any], where: str, images: ImageSet | None) -> str | None:
     content = msg.get("content")
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        return _text_of_parts(content, f"{where}.content", images)
+        return _text_of_parts(content, f"{where}.content", images, where)
     raise invalid_request(f"`{where}.content` must be a string, an array of parts, or null.")
 
 
@@ -78,20 +80,20 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def convert_messages(raw: Any) -> tuple[list[dict[str, Any]], int]:
-    """Template-ready messages and the number of images they carry."""
+def convert_messages(raw: Any) -> tuple[list[dict[str, Any]], ImageSet]:
+    """Template-ready messages and the images they carry (marked at their places)."""
     messages = object_list(raw, "messages")
     if not messages:
         raise invalid_request("`messages` must hold at least one message.")
     out: list[dict[str, Any]] = []
-    images: list[str] = []
+    images = ImageSet()
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role = field(msg, "role", str, where=where)
         if role not in ROLES:
             raise invalid_request(f"`{where}.role` must be one of {', '.join(ROLES)}.")
         m: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                             "content": _content(msg, where, images if role == "user" else [])}
+                             "content": _content(msg, where, images if role == "user" else None)}
         if role == "assistant":
             if msg.get("tool_calls") is not None:
                 m["tool_calls"] = _tool_calls(msg["tool_calls"], where)
@@ -106,7 +108,7 @@ def convert_messages(raw: Any) -> tuple[list[dict[str, Any]], int]:
     if out[-1]["role"] not in ("user", "tool"):
         raise invalid_request("The last message must be from the user or a tool: the engine "
                               "does not continue an assistant answer.")
-    return out, len(images)
+    return out, images
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -159,8 +161,7 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a chat body asks for (400 invalid_request naming the field otherwise)."""
     wire.parse(wire.ChatBody, body)
     values = config.values
-    messages, n_images = convert_messages(body.get("messages"))
-    chatreq.check_images(n_images)
+    messages, images = convert_messages(body.get("messages"))
     tools = convert_tools(body.get("tools"))
     choice, named = tool_choice(body.get("tool_choice"), tools)
     kwargs = field(body, "chat_template_kwargs", dict, {})
@@ -178,7 +179,8 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=budget, think=think, schema=schema,
                       grammar=field(body, "grammar", str) or None,
-                      parallel_calls=field(body, "parallel_tool_calls", bool, False))
+                      parallel_calls=field(body, "parallel_tool_calls", bool, False),
+                      images=images)
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 

@@ -33,11 +33,13 @@ from typing import Any
 
 from ..engine.chatparse import BlockAppend, BlockClose, BlockOpen, ParseView
 from ..engine.errors import EngineError
+from ..engine.images import ImageSet
 from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_comment, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, turnservice, wire
+from .imageparts import image_part
 from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Opened, Ping, Shape, Started, Stopped, TurnEvent,
@@ -52,8 +54,8 @@ STATEFUL = "This server is stateless: send the whole conversation in `input` (as
 
 # -- request ------------------------------------------------------------------
 
-def _parts_text(content: Any, where: str, role: str, images: list[str],
-                sep: str = "\n\n") -> str:
+def _parts_text(content: Any, where: str, role: str, images: ImageSet | None,
+                sep: str = "\n\n", message: str = "") -> str:
     """A message's content: a string, or text (and, from the user, image) parts."""
     if isinstance(content, str):
         return content
@@ -66,9 +68,8 @@ def _parts_text(content: Any, where: str, role: str, images: list[str],
             if part.get("file_id") is not None:
                 raise invalid_request(f"`{at}.file_id`: files are not stored here; send the "
                                       "image inline as a data URL in `image_url`.")
-            url = part.get("image_url")
-            chatreq.check_image_url(url, f"{at}.image_url")
-            images.append(url)
+            texts.append(image_part(images, part.get("image_url"), f"{at}.image_url",
+                                    message or where))
         elif kind in FILE_PARTS:
             raise invalid_request(f"`{at}`: {kind} parts are not supported; send text.")
         else:
@@ -94,7 +95,7 @@ class _Input:
 
     def __init__(self) -> None:
         self.messages: list[dict[str, Any]] = []
-        self.images: list[str] = []
+        self.images = ImageSet()
         self._turn: dict[str, Any] | None = None   # the assistant message being built
 
     def _assistant(self, starts_new: bool) -> dict[str, Any]:
@@ -143,10 +144,10 @@ class _Input:
             raise invalid_request(f"`{where}.content` must be a string or an array of parts.")
         if role == "assistant":
             turn = self._assistant(bool(self._turn and self._turn.get("tool_calls")))
-            turn["content"] += _parts_text(content, f"{where}.content", role, [], sep="")
+            turn["content"] += _parts_text(content, f"{where}.content", role, None, sep="")
             return
         text = _parts_text(content, f"{where}.content", role,
-                           self.images if role == "user" else [])
+                           self.images if role == "user" else None, message=where)
         self._other({"role": "user" if role == "user" else "system", "content": text})
 
     def _reasoning(self, item: dict[str, Any], where: str) -> None:
@@ -160,7 +161,7 @@ class _Input:
             turn["reasoning_content"] = turn.get("reasoning_content", "") + "".join(texts)
 
 
-def convert_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+def convert_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages (one system message first) and the images they carry."""
     conv = _Input()
     instructions = field(body, "instructions", str, "")
@@ -180,7 +181,7 @@ def convert_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
         raise invalid_request("The last input item must be from the user or a "
                               "function_call_output: the engine does not continue an "
                               "assistant answer.")
-    return messages, len(conv.images)
+    return messages, conv.images
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -252,8 +253,7 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     chatreq.refuse_lone_surrogates(body)
     refuse_state(body)
     wire.parse(wire.ResponsesBody, body)
-    messages, n_images = convert_input(body)
-    chatreq.check_images(n_images)
+    messages, images = convert_input(body)
     tools = convert_tools(body.get("tools"))
     choice, named = tool_choice(body.get("tool_choice"), tools)
     schema = _text_schema(body.get("text"))
@@ -261,7 +261,7 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     think = chatreq.thinking(config.values, config.user_keys, effort=reasoning.get("effort"))
     budget = chatreq.budget(body.get("max_output_tokens"), "max_output_tokens", config.values)
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
-                      max_tokens=budget, think=think, schema=schema)
+                      max_tokens=budget, think=think, schema=schema, images=images)
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 
