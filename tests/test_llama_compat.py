@@ -531,6 +531,18 @@ def test_logit_bias_property(srv: ServerProcess, bias: dict[str, Any]) -> None:
 
 
 @PROP
+@given(st.one_of(st.integers(-3, 2**31 + 3), st.sampled_from([2**31 - 1, 2**31, -1, 0])),
+       st.floats(0.5, 3.0))
+def test_penalty_window_property(srv: ServerProcess, last_n: int, penalty: float) -> None:
+    """llama.cpp sizes a buffer by repeat_last_n: any accepted count must not reach it raw."""
+    status, payload = post(srv, "/completion", {"prompt": "x", "n_predict": 2,
+                                                "repeat_last_n": last_n,
+                                                "repeat_penalty": penalty})
+    assert status == (200 if -1 <= last_n <= 2**31 - 1 else 400), (last_n, payload)
+    assert alive(srv)
+
+
+@PROP
 @given(st.one_of(st.integers(-(2**40), 2**40), st.integers(-2, 102), st.floats(),
                  st.booleans(), st.text(max_size=3)))
 def test_n_probs_property(srv: ServerProcess, n_probs: Any) -> None:
@@ -662,7 +674,7 @@ def test_compressed_bodies_end_to_end(srv: ServerProcess) -> None:
     reply = call(port, "POST", "/tokenize", raw=gzip.compress(b'{"content": "hi"}'),
                  headers=[("Content-Encoding", "gzip")])
     assert reply.status == 200 and reply.json()["tokens"]
-    bomb = gzip.compress(b" " * (65 * 2**20))         # past the 64 MiB cap once decoded
+    bomb = gzip.compress(b" " * (9 * 2**20))          # past the route's 8 MiB cap decoded
     reply = call(port, "POST", "/completion", raw=bomb, headers=[("Content-Encoding", "gzip")])
     assert reply.status == 413
     for coding in ("br", "gzip, gzip", "zstd"):

@@ -97,7 +97,9 @@ def build_chain(session: Any, s: Sampling, grammar_sampler: Any, prompt: list[in
         lc.llama_sampler_chain_add(chain, grammar_sampler)
     penalised = s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty
     if penalised and s.repeat_last_n != 0:
-        last_n = session.n_ctx if s.repeat_last_n < 0 else s.repeat_last_n
+        # llama.cpp sizes a ring buffer by this count: never past the context (an id
+        # count of 2**31 would be a failed allocation, which aborts the process).
+        last_n = session.n_ctx if s.repeat_last_n < 0 else min(s.repeat_last_n, session.n_ctx)
         pen = lc.llama_sampler_init_penalties(session.n_vocab, last_n, s.repeat_penalty, s.frequency_penalty,
                                               s.presence_penalty)
         for t in prompt[-last_n:]:       # the prompt counts, as in llama-server

@@ -237,14 +237,16 @@ def register(table: RouteTable, state: ServerState) -> None:
     def add(method: str, path: str, fn: Callable[..., Any], **kw: Any) -> None:
         table.add(method, path, partial(fn, state), **kw)
 
+    # Text and ids only: the default body cap (8 MiB) is far past any context, and it
+    # bounds the tokenizer's buffer. Chat bodies (images) take the big cap.
     big = {"body_limit": limits.BIG_BODY_LIMIT_BYTES}
     add("GET", "/health", health)
     add("GET", "/v1/health", health)
-    add("POST", "/completion", completions.completion, **big)
-    add("POST", "/completions", completions.completion, **big)
-    add("POST", "/v1/completions", completions.openai_completion, **big)
-    add("POST", "/tokenize", tokenize, **big)
-    add("POST", "/detokenize", detokenize, **big)
+    add("POST", "/completion", completions.completion)
+    add("POST", "/completions", completions.completion)
+    add("POST", "/v1/completions", completions.openai_completion)
+    add("POST", "/tokenize", tokenize)
+    add("POST", "/detokenize", detokenize)
     add("POST", "/apply-template", apply_template, **big)
     add("POST", "/v1/chat/completions/input_tokens", input_tokens, **big)
     add("POST", "/chat/completions/input_tokens", input_tokens, **big)
@@ -304,7 +306,7 @@ async def props(state: ServerState, request: Request) -> Response:
         "default_generation_settings": default_settings(session),
         "total_slots": 1, "model_alias": session.path.name, "model_path": str(session.path),
         "chat_template": session.template_text, "bos_token": session.bos_token,
-        "eos_token": session.eos_token, "modalities": {"vision": False, "audio": False},
+        "eos_token": session.eos_token, "modalities": {"vision": session.vision is not None, "audio": False},
         "build_info": f"bmoe {__version__}", "n_ctx": session.n_ctx})
 
 
