@@ -23,8 +23,9 @@ split UTF-8 character arrives whole).
 Each mode looks for its markers; a tail that could still grow into a marker (``<thi``,
 ``<tool_``) is held back until the next piece decides it, so markup never shows as
 content. Text after a tool call opens is never content. Inside a call a framing
-parser (``_HermesCall`` or ``_CoderCall``) consumes the text and exposes the call's
-name and the arguments as JSON text that only ever grows, so a stream can send it
+parser (``hermes_calls.HermesCall`` or ``coder_calls.CoderCall``) consumes the text
+and exposes the call's name and the arguments as JSON text that only ever grows, so a
+stream can send it
 in appended pieces.
 
 ``snapshot()`` returns a frozen ``ParseView``: the parser's current reading. It only
@@ -38,28 +39,29 @@ Everything here is pure: no I/O, no model.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, Literal
 
-JsonObject = dict[str, Any]
 
-HERMES = "hermes"
-QWEN3_CODER = "qwen3_coder"
-FRAMINGS = (HERMES, QWEN3_CODER)
+from .chatmarkup import (CALL_CLOSE, CALL_OPEN, FRAMINGS, FUNCTION_CLOSE, FUNCTION_OPEN, HERMES,
+                         PARAM_CLOSE, PARAM_OPEN, QWEN3_CODER, THINK_CLOSE, THINK_OPEN,
+                         JsonObject, _find_first, _held_tail)
+from .coder_calls import CoderCall, coerce_parameter, schema_types, tool_parameters
+from .hermes_calls import HermesCall
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
-FUNCTION_OPEN = "<function="
-FUNCTION_CLOSE = "</function>"
-PARAM_OPEN = "<parameter="
-PARAM_CLOSE = "</parameter>"
+_Call = HermesCall | CoderCall
+
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "FRAMINGS", "FUNCTION_CLOSE", "FUNCTION_OPEN", "HERMES",
+           "PARAM_CLOSE", "PARAM_OPEN", "QWEN3_CODER", "THINK_CLOSE", "THINK_OPEN", "JsonObject",
+           "ToolCallView", "ParseView", "detect_framing", "OutputParser", "coerce_parameter",
+           "schema_types", "tool_parameters", "random_call_ids", "sequential_call_ids",
+           "ChatDeltaStream", "BlockOpen", "BlockAppend", "BlockClose", "BlockEvent",
+           "AppendOnlyStream"]
+
 
 
 # ---------------------------------------------------------------------------
@@ -126,443 +128,6 @@ def detect_framing(render: Callable[[list[JsonObject], list[JsonObject]], str]) 
             return HERMES
         return None
     return None
-
-
-# ---------------------------------------------------------------------------
-# Text helpers
-
-
-def _find_first(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for marker in markers:
-        i = text.find(marker)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, marker)
-    return best
-
-
-def _held_tail(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that could still grow into a marker."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
-
-
-def _json_escape(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-# ---------------------------------------------------------------------------
-# Tool schemas: the types a qwen3_coder parameter value is read as
-
-def tool_parameters(tools: list[JsonObject] | None) -> dict[str, JsonObject]:
-    """Map each function tool's name to its parameters schema (``{}`` if none)."""
-    out: dict[str, JsonObject] = {}
-    for tool in tools or []:
-        fn = tool.get("function", tool) if isinstance(tool, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            params = fn.get("parameters")
-            out[fn["name"]] = params if isinstance(params, dict) else {}
-    return out
-
-
-def _json_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if value is None:
-        return "null"
-    return "object" if isinstance(value, dict) else "array"
-
-
-def schema_types(schema: Any) -> frozenset[str]:
-    """The JSON types a schema allows; empty when it does not say."""
-    if not isinstance(schema, dict):
-        return frozenset()
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return frozenset([declared])
-    if isinstance(declared, list):
-        return frozenset(t for t in declared if isinstance(t, str))
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            return _union_types(schema[key])
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return frozenset(_json_type(v) for v in schema["enum"])
-    if "const" in schema:
-        return frozenset([_json_type(schema["const"])])
-    if "properties" in schema:
-        return frozenset(["object"])
-    return frozenset(["array"]) if "items" in schema else frozenset()
-
-
-def _union_types(branches: list[Any]) -> frozenset[str]:
-    out: set[str] = set()
-    for branch in branches:
-        types = schema_types(branch)
-        if not types:
-            return frozenset()
-        out |= types
-    return frozenset(out)
-
-
-def _fits(value: Any, types: frozenset[str]) -> bool:
-    kind = _json_type(value)
-    return not types or kind in types or (kind == "integer" and "number" in types)
-
-
-def coerce_parameter(raw: str, types: frozenset[str]) -> str:
-    """JSON text for a raw qwen3_coder parameter value, as llama.cpp's parser reads it.
-
-    A schema that allows only strings keeps the text as a string. Otherwise the text
-    is taken as JSON when it parses to a non-string value the schema allows (or any
-    value when the schema gives no type), and as a string when it does not.
-    """
-    if types == {"string"}:
-        return json.dumps(raw, ensure_ascii=False)
-    text = raw.strip()
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
-        return json.dumps(raw, ensure_ascii=False)
-    if isinstance(value, str) or not _fits(value, types):
-        return json.dumps(raw, ensure_ascii=False)
-    return text
-
-
-# ---------------------------------------------------------------------------
-# Call parsers. Each consumes text from the outer parser and says how much it took;
-# text it leaves is held for the next piece (a partial marker) or, once the call is
-# done, belongs to the outer parser.
-
-
-class _HermesCall:
-    """``{"name": ..., "arguments": ...}`` scanned one character at a time."""
-
-    def __init__(self) -> None:
-        self.name: str | None = None
-        self.done = False
-        self._body = ""
-        self._state = "start"
-        self._key = ""
-        self._mark = 0            # start of the current key or value in _body
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
-        self._args_start: int | None = None
-        self._args_end: int | None = None
-        self._fallback_args: str | None = None
-
-    def feed(self, text: str) -> int:
-        for i, ch in enumerate(text):
-            if self.done:
-                return i
-            if ch == "<" and not self._inside_string():
-                rest = text[i:]
-                if rest.startswith(CALL_CLOSE):
-                    self.close("")
-                    return i + len(CALL_CLOSE)
-                if CALL_CLOSE.startswith(rest):
-                    return i
-            self._body += ch
-            self._step(ch, len(self._body) - 1)
-        return len(text)
-
-    def close(self, tail: str) -> None:
-        for ch in tail:
-            self._body += ch
-            self._step(ch, len(self._body) - 1)
-        if self._state == "scalar":
-            self._value_end(len(self._body))
-        if self.name is None or self._args_start is None:
-            self._read_whole_body()
-        self.done = True
-
-    def arguments_text(self) -> str:
-        if self._fallback_args is not None:
-            return self._fallback_args
-        if self._args_start is None:
-            return "{}" if self.done else ""
-        if self._args_end is not None:
-            return self._body[self._args_start:self._args_end]
-        if self.done or self._body[self._args_start] in "{[":
-            return self._body[self._args_start:]
-        return ""
-
-    def _inside_string(self) -> bool:
-        return self._state in ("key", "string") or (self._state == "nested" and self._in_string)
-
-    def _read_whole_body(self) -> None:
-        try:
-            obj = json.loads(self._body)
-        except ValueError:
-            return
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and self.name is None:
-            self.name = obj["name"]
-            args = obj.get("arguments", obj.get("parameters", {}))
-            self._fallback_args = json.dumps(args, ensure_ascii=False)
-
-    def _step(self, ch: str, pos: int) -> None:
-        getattr(self, "_on_" + self._state)(ch, pos)
-
-    def _on_start(self, ch: str, pos: int) -> None:
-        if not ch.isspace():
-            self._state = "key_or_end" if ch == "{" else "failed"
-
-    def _on_key_or_end(self, ch: str, pos: int) -> None:
-        if ch == '"':
-            self._state, self._mark, self._escaped = "key", pos, False
-        elif ch == "}":
-            self._state = "finished"
-            self.done = True
-        elif not ch.isspace():
-            self._state = "failed"
-
-    def _on_key(self, ch: str, pos: int) -> None:
-        if self._escaped:
-            self._escaped = False
-        elif ch == "\\":
-            self._escaped = True
-        elif ch == '"':
-            try:
-                self._key = json.loads(self._body[self._mark:pos + 1])
-            except ValueError:
-                self._key = ""
-            self._state = "colon"
-
-    def _on_colon(self, ch: str, pos: int) -> None:
-        if ch == ":":
-            self._state = "value"
-        elif not ch.isspace():
-            self._state = "failed"
-
-    def _on_value(self, ch: str, pos: int) -> None:
-        if ch.isspace():
-            return
-        self._mark = pos
-        if self._key in ("arguments", "parameters") and self._args_start is None:
-            self._args_start = pos
-        if ch in "{[":
-            self._state, self._depth, self._in_string = "nested", 1, False
-        elif ch == '"':
-            self._state, self._escaped = "string", False
-        else:
-            self._state = "scalar"
-
-    def _on_nested(self, ch: str, pos: int) -> None:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
-        elif ch == '"':
-            self._in_string, self._escaped = True, False
-        elif ch in "{[":
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 0:
-                self._value_end(pos + 1)
-
-    def _on_string(self, ch: str, pos: int) -> None:
-        if self._escaped:
-            self._escaped = False
-        elif ch == "\\":
-            self._escaped = True
-        elif ch == '"':
-            self._value_end(pos + 1)
-
-    def _on_scalar(self, ch: str, pos: int) -> None:
-        if ch in ",}" or ch.isspace():
-            self._value_end(pos)
-            self._on_after(ch, pos)
-
-    def _on_after(self, ch: str, pos: int) -> None:
-        if ch == ",":
-            self._state = "key_or_end"
-        elif ch == "}":
-            self._state = "finished"
-            self.done = True
-        elif not ch.isspace():
-            self._state = "failed"
-
-    def _on_finished(self, ch: str, pos: int) -> None:
-        pass
-
-    def _on_failed(self, ch: str, pos: int) -> None:
-        pass
-
-    def _value_end(self, end: int) -> None:
-        self._state = "after"
-        value_text = self._body[self._mark:end]
-        if self._key == "name" and self.name is None and value_text.startswith('"'):
-            try:
-                name = json.loads(value_text)
-            except ValueError:
-                name = None
-            self.name = name if isinstance(name, str) else None
-        if self._mark == self._args_start:
-            self._args_end = end
-
-
-class _CoderCall:
-    """``<function=NAME>`` then ``<parameter=K>`` blocks, built into JSON as they come."""
-
-    _BETWEEN_MARKS = (PARAM_OPEN, FUNCTION_CLOSE, CALL_CLOSE)
-    _VALUE_ENDS = (PARAM_CLOSE, CALL_CLOSE)
-
-    def __init__(self, functions: dict[str, JsonObject]) -> None:
-        self.name: str | None = None
-        self.done = False
-        self._functions = functions
-        self._state = "function"
-        self._args = ""            # JSON text committed so far
-        self._count = 0
-        self._types: frozenset[str] = frozenset()
-        self._raw = ""             # the open parameter's value as written
-        self._escaped_source = ""  # the part of the value escaped so far, and its escape
-        self._escaped = ""
-
-    def feed(self, text: str) -> int:
-        i = 0
-        while i < len(text) and not self.done:
-            taken = getattr(self, "_in_" + self._state)(text, i)
-            if taken == i:
-                return i
-            i = taken
-        return i
-
-    def close(self, tail: str) -> None:
-        if self._state == "value":
-            self._raw += tail
-        if not self.done:
-            self._close_function()
-
-    def arguments_text(self) -> str:
-        if self._state == "value" and self._types == {"string"}:
-            return self._args + self._escaped_value()
-        return self._args
-
-    def _escaped_value(self) -> str:
-        """The open string value, escaped; only the part not escaped before is done now."""
-        value = self._value()
-        if not value.startswith(self._escaped_source):  # cannot happen: values only grow
-            self._escaped_source, self._escaped = "", ""
-        self._escaped += _json_escape(value[len(self._escaped_source):])
-        self._escaped_source = value
-        return self._escaped
-
-    def _skip_space(self, text: str, i: int) -> int:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        return i
-
-    def _in_function(self, text: str, i: int) -> int:
-        i = self._skip_space(text, i)
-        rest = text[i:]
-        if rest.startswith(FUNCTION_OPEN):
-            end = rest.find(">")
-            if end < 0:
-                return i
-            self.name = rest[len(FUNCTION_OPEN):end].strip()
-            self._args, self._state = "{", "between"
-            return i + end + 1
-        if rest.startswith(CALL_CLOSE):
-            self.done = True
-            return i + len(CALL_CLOSE)
-        if not rest or FUNCTION_OPEN.startswith(rest) or CALL_CLOSE.startswith(rest):
-            return i
-        self._state = "failed"
-        return self._in_failed(text, i)
-
-    def _in_between(self, text: str, i: int) -> int:
-        i = self._skip_space(text, i)
-        rest = text[i:]
-        if rest.startswith(PARAM_OPEN):
-            end = rest.find(">")
-            if end < 0:
-                return i
-            self._open_parameter(rest[len(PARAM_OPEN):end].strip())
-            return i + end + 1
-        for marker in (FUNCTION_CLOSE, CALL_CLOSE):
-            if rest.startswith(marker):
-                self._close_function()
-                return i + len(marker)
-        if not rest or any(m.startswith(rest) for m in self._BETWEEN_MARKS):
-            return i
-        return i + 1  # stray text between parameters is not part of the call
-
-    def _in_value(self, text: str, i: int) -> int:
-        rest = text[i:]
-        hit = _find_first(rest, self._VALUE_ENDS)
-        if hit is None:
-            keep = _held_tail(rest, self._VALUE_ENDS)
-            self._raw += rest[:len(rest) - keep]
-            return len(text) - keep
-        at, marker = hit
-        self._raw += rest[:at]
-        self._close_parameter()
-        if marker == CALL_CLOSE:
-            self._close_function()
-        return i + at + len(marker)
-
-    def _in_failed(self, text: str, i: int) -> int:
-        rest = text[i:]
-        at = rest.find(CALL_CLOSE)
-        if at >= 0:
-            self.done = True
-            return i + at + len(CALL_CLOSE)
-        return len(text) - _held_tail(rest, [CALL_CLOSE])
-
-    def _open_parameter(self, key: str) -> None:
-        params = self._functions.get(self.name or "", {})
-        properties = params.get("properties") if isinstance(params, dict) else None
-        prop = properties.get(key) if isinstance(properties, dict) else None
-        self._types = schema_types(prop)
-        self._args += (", " if self._count else "") + json.dumps(key, ensure_ascii=False) + ": "
-        self._count += 1
-        if self._types == {"string"}:
-            self._args += '"'
-        self._raw, self._state = "", "value"
-        self._escaped_source, self._escaped = "", ""
-
-    def _value(self) -> str:
-        """The value without the newline after the tag and the one before the close."""
-        value = self._raw[1:] if self._raw.startswith("\n") else self._raw
-        return value[:-1] if value.endswith("\n") else value
-
-    def _close_parameter(self) -> None:
-        if self._types == {"string"}:
-            self._args += _json_escape(self._value()) + '"'
-        else:
-            self._args += coerce_parameter(self._value(), self._types)
-        self._state = "between"
-
-    def _close_function(self) -> None:
-        if self._state == "value":
-            self._close_parameter()
-        if self._args:
-            self._args += "}"
-        self._state = "closed"
-        self.done = True
-
-
-_Call = _HermesCall | _CoderCall
 
 
 # ---------------------------------------------------------------------------
@@ -702,9 +267,9 @@ class OutputParser:
     def _open_call(self, marker: str) -> None:
         self._think_closed = True
         if self._framing == HERMES:
-            self._calls.append(_HermesCall())
+            self._calls.append(HermesCall())
         else:
-            self._calls.append(_CoderCall(self._functions))
+            self._calls.append(CoderCall(self._functions))
             if marker != CALL_OPEN:  # <function=NAME> without <tool_call>
                 self._pending = marker + self._pending
         self._mode = _CALL
