@@ -473,7 +473,8 @@ def _details(session: Session) -> dict[str, Any]:
 
 
 def _capabilities(session: Session) -> list[str]:
-    return ["completion", *(["tools"] if session.tool_framing else [])]
+    return ["completion", *(["tools"] if session.tool_framing else []),
+            *(["vision"] if session.vision is not None else [])]
 
 
 async def ollama_tags(state: ServerState, request: Request) -> Response:
