@@ -747,3 +747,15 @@ def test_server_starts_from_a_config_file(tmp_path: Path, tiny_moe: Path) -> Non
         assert srv.request("GET", "/metrics")[0] == 200
     finally:
         srv.stop()
+
+
+def test_autoload_wakes_on_completion(tmp_path: Path, tiny_moe: Path) -> None:
+    srv = start_server(tmp_path, "--autoload", "-m", str(tiny_moe), "-c", "512")
+    try:
+        assert srv.request("POST", "/api/session/unload", {})[0] == 200
+        assert srv.request("GET", "/health")[0] == 503
+        status, body = post(srv, "/completion", {"prompt": "Hello", "n_predict": 2})
+        assert status == 200 and body["tokens_predicted"] <= 2     # waited for the load
+        assert srv.request("GET", "/health")[2] == {"status": "ok"}
+    finally:
+        srv.stop()

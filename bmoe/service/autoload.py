@@ -56,6 +56,9 @@ class AutoloadState(ServerState):
 MODEL_ROUTES = frozenset({
     ("POST", "/v1/chat/completions"), ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/api/decide"),
+    # llama-server's generation routes (bmoe/server/llama_compat.py)
+    ("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
+    ("POST", "/chat/completions"),
 })
 
 
