@@ -383,24 +383,26 @@ class MessagesEncoder:
         return body
 
     def encode(self, ev: TurnEvent) -> bytes:
-        if isinstance(ev, (Waiting, Ping)):
-            return PING
-        if isinstance(ev, Started):
-            self.model = ev.model
-            zero = {"input_tokens": 0, "output_tokens": 0}
-            return event("message_start", {"message": self.message([], None, zero)})
-        if isinstance(ev, (BlockOpen, BlockAppend, BlockClose)):
-            self.calls = self.calls or opens_tool_call(ev)
-            return b"".join(block_events(ev))
-        if isinstance(ev, Finished):
-            return event("message_delta", {
-                "delta": {"stop_reason": _stop_reason(ev.finish, self.calls),
-                          "stop_sequence": None},
-                "usage": _usage(ev), "bmoe": {"summary": ev.summary}}) + \
-                event("message_stop", {})
-        if isinstance(ev, Failed):
-            err = http_error(ev.error) if isinstance(ev.error, EngineError) else ev.error
-            return sse_event("error", anthropic_error(err))
+        match ev:
+            case Waiting() | Ping():
+                return PING
+            case Started(model=model):
+                self.model = model
+                zero = {"input_tokens": 0, "output_tokens": 0}
+                return event("message_start", {"message": self.message([], None, zero)})
+            case BlockOpen() | BlockAppend() | BlockClose():
+                self.calls = self.calls or opens_tool_call(ev)
+                return b"".join(block_events(ev))
+            case Finished():
+                return event("message_delta", {
+                    "delta": {"stop_reason": _stop_reason(ev.finish, self.calls),
+                              "stop_sequence": None},
+                    "usage": _usage(ev), "bmoe": {"summary": ev.summary}}) + \
+                    event("message_stop", {})
+            case Failed(error=EngineError() as e):
+                return sse_event("error", anthropic_error(http_error(e)))
+            case Failed(error=HTTPError() as e):
+                return sse_event("error", anthropic_error(e))
         return b""
 
 

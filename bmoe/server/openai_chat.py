@@ -11,7 +11,7 @@ from ..engine.chatparse import random_call_ids
 from ..engine.errors import EngineError
 from ..engine.images import ImageSet
 from ..engine.turn import TurnRequest
-from ..http.errors import invalid_request
+from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, turnservice, wire
@@ -247,34 +247,38 @@ class ChatEncoder:
         return sse_event(None, body)
 
     def encode(self, ev: TurnEvent) -> bytes:
-        if isinstance(ev, Waiting):
-            return sse_comment("waiting for a turn")
-        if isinstance(ev, Ping):
-            return sse_comment("ping")
-        if isinstance(ev, Started):
-            self.model = ev.model
-            return self.chunk({"role": "assistant", "content": ""})
-        if isinstance(ev, TextDelta):
-            return self.chunk({"content": ev.text})
-        if isinstance(ev, ReasoningDelta):
-            return self.chunk({"reasoning_content": ev.text})
-        if isinstance(ev, Reset):
-            return self.chunk({"content": ev.content, "reasoning_content": ev.reasoning},
-                              extra={"bmoe": {"reset": True}})
-        if isinstance(ev, ToolCallStart):
-            return self.chunk({"tool_calls": [{"index": ev.index, "id": ev.call_id,
-                                               "type": "function", "function": {
-                                                   "name": ev.name, "arguments": ""}}]})
-        if isinstance(ev, ToolArgsDelta):
-            return self.chunk({"tool_calls": [{"index": ev.index,
-                                               "function": {"arguments": ev.text}}]})
-        if isinstance(ev, Finished):
-            return self._finished(ev)
-        if isinstance(ev, Failed):
-            err = engine_http_error(ev.error) if isinstance(ev.error, EngineError) else ev.error
-            return sse_event(None, {"error": {"message": err.message, "code": err.code}}) + \
-                sse_done()
+        match ev:
+            case Waiting():
+                return sse_comment("waiting for a turn")
+            case Ping():
+                return sse_comment("ping")
+            case Started(model=model):
+                self.model = model
+                return self.chunk({"role": "assistant", "content": ""})
+            case TextDelta(text=text):
+                return self.chunk({"content": text})
+            case ReasoningDelta(text=text):
+                return self.chunk({"reasoning_content": text})
+            case Reset(content=content, reasoning=reasoning):
+                return self.chunk({"content": content, "reasoning_content": reasoning},
+                                  extra={"bmoe": {"reset": True}})
+            case ToolCallStart(index=index, call_id=call_id, name=name):
+                return self.chunk({"tool_calls": [{"index": index, "id": call_id,
+                                                   "type": "function",
+                                                   "function": {"name": name, "arguments": ""}}]})
+            case ToolArgsDelta(index=index, text=text):
+                return self.chunk({"tool_calls": [{"index": index,
+                                                   "function": {"arguments": text}}]})
+            case Finished():
+                return self._finished(ev)
+            case Failed(error=EngineError() as e):
+                return self._error(engine_http_error(e))
+            case Failed(error=HTTPError() as e):
+                return self._error(e)
         return b""
+
+    def _error(self, err: HTTPError) -> bytes:
+        return sse_event(None, {"error": {"message": err.message, "code": err.code}}) + sse_done()
 
     def _finished(self, fin: Finished) -> bytes:
         out = self.chunk({}, _finish_reason(fin), {"bmoe": {"summary": fin.summary}})

@@ -393,35 +393,41 @@ class ResponsesEncoder:
         return out
 
     def encode(self, ev: TurnEvent) -> bytes:
-        if isinstance(ev, Opened):
-            self.model = ev.model
-            return self._open()
-        if isinstance(ev, (Waiting, Ping)):
-            return sse_comment("waiting for a turn" if isinstance(ev, Waiting) else "ping")
-        if isinstance(ev, Started):
-            self.model = ev.model or self.model
-            return self.event("response.in_progress",
-                              {"response": self.response("in_progress", [])})
-        if isinstance(ev, Stopped):
-            status, _ = _status(ev.finish)
-            self.finish_status = "completed" if status == "completed" else "incomplete"
-            return b""
-        if isinstance(ev, BlockOpen):
-            return self.open(ev)
-        if isinstance(ev, BlockAppend):
-            return self.append(ev.index, ev.kind, ev.text)
-        if isinstance(ev, BlockClose):
-            return self.close(ev)
-        if isinstance(ev, Finished):
-            status, incomplete = _status(ev.finish)
-            body = self.response(status, self.done, ev, incomplete_details=incomplete)
-            return self.event("response." + status, {"response": body})
-        if isinstance(ev, Failed):
-            err = http_error(ev.error) if isinstance(ev.error, EngineError) else ev.error
-            error = {"code": failed_code(err), "message": err.message}
-            return self._open() + self.event(
-                "response.failed", {"response": self.response("failed", self.done, error=error)})
+        match ev:
+            case Opened(model=model):
+                self.model = model
+                return self._open()
+            case Waiting():
+                return sse_comment("waiting for a turn")
+            case Ping():
+                return sse_comment("ping")
+            case Started(model=model):
+                self.model = model or self.model
+                return self.event("response.in_progress",
+                                  {"response": self.response("in_progress", [])})
+            case Stopped(finish=finish):
+                self.finish_status = "completed" if finish == "stop" else "incomplete"
+                return b""
+            case BlockOpen():
+                return self.open(ev)
+            case BlockAppend(index=index, kind=kind, text=text):
+                return self.append(index, kind, text)
+            case BlockClose():
+                return self.close(ev)
+            case Finished(finish=finish):
+                status, incomplete = _status(finish)
+                body = self.response(status, self.done, ev, incomplete_details=incomplete)
+                return self.event("response." + status, {"response": body})
+            case Failed(error=EngineError() as e):
+                return self._failed(http_error(e))
+            case Failed(error=HTTPError() as e):
+                return self._failed(e)
         return b""
+
+    def _failed(self, err: HTTPError) -> bytes:
+        error = {"code": failed_code(err), "message": err.message}
+        return self._open() + self.event(
+            "response.failed", {"response": self.response("failed", self.done, error=error)})
 
     def _open(self) -> bytes:
         if self.opened:
