@@ -4,9 +4,9 @@ Pure: ``Machine`` holds the figures (read by ``machine_now``), ``verdict`` turns
 the model's size and those figures into the codes a UI colours by and the sentences it
 shows as they are. Sizes in the sentences are MiB, rounded down.
 
-What this process may hold (``residency_budget``) is measured simply: the system's
-MemAvailable, or less when the memory cgroup's headroom is less. The planner measures
-more; this is the honest floor of it.
+What this process may hold (``residency_budget``) and what a streamed model keeps
+resident (``stream_floor``) are the planner's (``bmoe/planner``): the same figures a
+load in auto mode decides with.
 """
 
 from __future__ import annotations
@@ -53,12 +53,10 @@ def memory_total() -> int:
 
 
 def residency_budget() -> int:
-    from ..engine.experts.budget import cgroup_headroom
-    avail = mem_available()
-    room = cgroup_headroom()
-    if room is not None and avail:
-        return max(0, min(avail, room))
-    return avail
+    """What this process may hold, by the planner's memory probe (MemAvailable, or the
+    memory cgroup's headroom when tighter, the tightest limit up to the root)."""
+    from ..planner.probes import probe_memory
+    return probe_memory().budget
 
 
 def machine_now(*, loaded_model: str, disk_free: int, present_bytes: int,
@@ -129,7 +127,8 @@ def _budget_words(m: Machine) -> str:
 
 
 def _streams(p: ModelProbe, m: Machine) -> dict[str, str]:
-    floor = p.dense_bytes + p.token_cycle_bytes
+    from ..planner.plan import stream_floor
+    floor = stream_floor(p)
     head = (f"the experts stream from flash and {mib(p.dense_bytes)} MiB stays resident, plus "
             f"a cache of at least one token cycle ({mib(p.token_cycle_bytes)} MiB)")
     if not m.budget_if_loaded:

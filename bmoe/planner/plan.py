@@ -227,7 +227,7 @@ def make_plan(inp: PlanInputs) -> Plan:
     _decide_knobs(b, regime, ctx, cache, kv_tok, budget, leave)
     predicted = _predict(b, regime, cache, budget, whole)
     pools = _ledger(b, regime, cache, kv_tok * ctx, budget)
-    floor = p.dense_bytes + p.token_cycle_bytes if stream_ok else whole
+    floor = stream_floor(p) if stream_ok else whole
     sentence = _sentence(regime, cache, floor, budget, p.is_moe)
     b.decisions.insert(0, Decision("regime", "notes", regime, value_text("regime", regime),
                                    "derived", sentence, _regime_reason(b, regime, budget,
@@ -241,6 +241,12 @@ def make_plan(inp: PlanInputs) -> Plan:
                          "reads as taken, so the plan is sized for a smaller machine"
                          if inp.loaded_model and not mem.loaded_held else ""),
                 floor_bytes=floor)
+
+
+def stream_floor(p: Any) -> int:
+    """What a streamed MoE keeps resident at the least: its dense weights and one token
+    cycle of cache (the inspect verdict's figure; a load adds the context and runtime)."""
+    return int(p.dense_bytes + p.token_cycle_bytes)
 
 
 def _leave(inp: PlanInputs) -> int:
@@ -330,7 +336,7 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
         if b.user("cache-mb"):
             b.operator("cache-mb")
         else:
-            mib = cache // MIB
+            mib = -(-cache // MIB)            # a cache under 1 MiB is not "off"
             b.add("cache-mb", mib, "derived",
                   f"{size_text(cache)}: what is left after the dense weights, the context "
                   "and the runtime.",
@@ -396,7 +402,8 @@ def _decide_ctx(b: _Builder, regime: str, ctx: int, kv_tok: int) -> None:
               "one token cycle.")
     else:
         b.add("ctx-size", ctx, "derived",
-              f"{ctx} tokens: the largest that fits beside the cache ({kv} of KV).",
+              f"{ctx} tokens: the largest that fits beside the "
+              f"{'cache' if regime == 'experts-stream' else 'weights'} ({kv} of KV).",
               f"At least the {CTX_ADVICE} tokens a coding agent needs (or the model's own "
               f"limit), doubled while its KV cache takes at most "
               f"{CTX_KV_SHARE:.0%} of memory.")

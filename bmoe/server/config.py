@@ -5,6 +5,8 @@ Theory of operation
 A value comes from one of four layers, each over the one before:
 
 1. the server's default (``params.defaults(server=True)``);
+1b. the applied plan's values (``POST /api/plan/apply``; saved as ``plan`` in the file):
+   never a key of ``user_keys``, and replaced whole by the next plan applied;
 2. what a client saved in an earlier run (``<data_dir>/settings.json``);
 3. the flags the server was launched with;
 4. what a client sets while this run goes on (``PUT /api/config``).
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 SETTINGS_FILE = "settings.json"
 SETTINGS_VERSION = 1
+AUTO_PLAN_DEFAULT = False   # the spec's default is on; off until the suites plan-proof
 
 
 class OutsideModelsDir(ValueError):
@@ -87,7 +90,12 @@ class ConfigStore:
                         for k, v in launch_values.items()}
         self._client: dict[str, Any] = {}
         self._extra: dict[str, Any] = {}     # other top-level fields of the file, kept
+        self._plan: dict[str, Any] = {}      # the applied plan's values (the plan layer)
+        self._plan_decisions: list[Any] | None = None
+        self.auto_plan_launch: bool | None = None   # --auto / --no-auto, for this run
+        self._auto_put = False
         self._load()
+        self._load_plan()
         self._outranked = {k: v for k, v in self._client.items() if k in self._launch}
         for key in self._outranked:
             del self._client[key]
@@ -99,10 +107,65 @@ class ConfigStore:
         """Every parameter's current value, in table order."""
         with self._lock:
             merged = params.defaults(server=True)
+            merged.update(self._plan)
             merged.update(self._outranked)
             merged.update(self._launch)
             merged.update(self._client)
             return merged
+
+    @property
+    def values_without_plan(self) -> dict[str, Any]:
+        """What a plan is made from: defaults, launch flags and the person's values."""
+        with self._lock:
+            merged = params.defaults(server=True)
+            merged.update(self._outranked)
+            merged.update(self._launch)
+            merged.update(self._client)
+            return merged
+
+    @property
+    def auto_plan(self) -> bool:
+        """Whether a load plans first: ``--auto``/``--no-auto`` for this run, unless a
+        client chose since; else the saved choice; else ``AUTO_PLAN_DEFAULT``."""
+        with self._lock:
+            if self.auto_plan_launch is not None and not self._auto_put:
+                return self.auto_plan_launch
+            saved = self._extra.get("auto_plan")
+            return saved if isinstance(saved, bool) else AUTO_PLAN_DEFAULT
+
+    def set_auto_plan(self, on: bool) -> None:
+        """``PUT /api/config`` with ``auto_plan``: saved, and over the launch flag."""
+        with self._lock:
+            self._extra["auto_plan"] = bool(on)
+            self._auto_put = True
+            self._save()
+
+    def apply_plan(self, values: Mapping[str, Any], decisions: list[Any]) -> None:
+        """The plan layer: ``values`` replace the previous plan's whole; saved."""
+        with self._lock:
+            kept: dict[str, Any] = {}
+            for key, value in values.items():
+                p = _known(key)
+                if p is None or p.launch_only:
+                    continue
+                try:
+                    kept[key] = params.parse_value(p, value)
+                except ValueError:
+                    continue
+            self._plan = kept
+            self._plan_decisions = list(decisions)
+            self._extra["plan"] = {"values": kept, "decisions": self._plan_decisions}
+            self._save()
+
+    def _load_plan(self) -> None:
+        saved = self._extra.get("plan")
+        if not isinstance(saved, dict):
+            self._extra.pop("plan", None)
+            return
+        values, decisions = saved.get("values"), saved.get("decisions")
+        if isinstance(values, dict):
+            self._plan = _saved_values(values, self._path)
+        self._plan_decisions = decisions if isinstance(decisions, list) else None
 
     @property
     def user_keys(self) -> list[str]:
@@ -126,7 +189,7 @@ class ConfigStore:
                 "valid": not error,
                 "error": params.render(error, "label"),
                 "reload_required": bool(reload_keys), "reload_keys": reload_keys,
-                "plan": None, "auto_plan": False}
+                "plan": self._plan_decisions, "auto_plan": self.auto_plan}
 
     # --- changing -----------------------------------------------------------------
 

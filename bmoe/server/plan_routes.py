@@ -1,0 +1,286 @@
+"""The spec's ``## Plan`` section: ``GET /api/plan``, ``POST /api/plan/apply``, auto-plan.
+
+Theory of operation
+-------------------
+``PlanService`` is the server's one planner (``state.planner``). A measurement runs the
+planner's probes (``bmoe.planner.measure``) in a worker thread, one at a time: a second
+one while one runs, or one asked for while a generation runs, is ``409``. Each stage is
+a ``plan_progress`` event, then ``{"step": "done"}``.
+
+The service holds two plans: the last measured by hand (``GET /api/plan``) and the one
+the loaded model was loaded with (auto-plan). ``?cached=1`` answers the first, else the
+second, without measuring. With auto-plan on, ``before_load`` (called by
+``ServerState._load``) puts the state in ``planning``, measures with nothing loaded,
+applies the plan to the config's plan layer and hands the load its values; a plan that
+says ``will_not_fit`` refuses the load with its sentence.
+
+A background task (``run``) follows the event bus: when a model is ready it asks the
+streamer to keep its decoded tokens' routing; after each complete turn (``done``, not
+cancelled) it appends that routing to the model's record under ``<data>/routing/`` and
+records what decode cost at the loaded configuration, which the next plan of that
+configuration prices with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..engine.errors import EngineError
+from ..http.errors import HTTPError
+from ..http.routes import RouteTable
+from ..http.types import Request, Response
+from ..planner.measure import PlanError, measure
+from ..planner.plan import Plan
+from ..planner.routing import append_record, cost_key, cost_path, record_path, write_cost
+
+MIN_RECORD_TOKENS = 1
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--auto", dest="auto_plan", action="store_true", default=None,
+                   help="every load measures the machine and plans its settings first "
+                        "(this run)")
+    g.add_argument("--no-auto", dest="auto_plan", action="store_false",
+                   help="loads use the settings as they are (this run)")
+
+
+def attach(state: Any, args: argparse.Namespace | None = None) -> None:
+    state.planner = PlanService(state)
+    if args is not None and getattr(args, "auto_plan", None) is not None:
+        state.config.auto_plan_launch = bool(args.auto_plan)
+
+
+def register(table: RouteTable, state: Any) -> None:
+    table.add("GET", "/api/plan", partial(get_plan, state))
+    table.add("POST", "/api/plan/apply", partial(apply_plan, state))
+
+
+async def run(state: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    planner: PlanService | None = getattr(state, "planner", None)
+    task_status.started()
+    if planner is not None:
+        await planner.follow()
+
+
+class PlanService:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.routing_dir = Path(state.options.data_dir) / "routing"
+        self._lock = trio.Lock()
+        self.last: dict[str, Any] | None = None          # the last measured plan's JSON
+        self.last_values: dict[str, Any] = {}
+        self.last_decisions: list[Any] = []
+        self.load_plan: dict[str, Any] | None = None     # what the loaded model was loaded with
+        self.load_held = 0
+        self.measured_after_load = False
+        self.measured: dict[str, Any] | None = None      # the last complete turn's decode
+
+    # -- measuring -------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    async def measure(self, path: str) -> Plan:
+        state = self.state
+        if self._lock.locked():
+            raise HTTPError(409, "busy", "A measurement is already running; wait for it.")
+        async with self._lock:
+            loaded = state.session is not None and state.state == "ready"
+            held = self.load_held if loaded else 0
+            name = Path(str(state.session.path)).name if loaded else ""
+            config = state.config
+            token = trio.lowlevel.current_trio_token()
+
+            def progress(step: str, label: str, index: int, count: int) -> None:
+                trio.from_thread.run_sync(state.bus.publish, "plan_progress",
+                                          {"step": step, "label": label, "index": index,
+                                           "count": count}, trio_token=token)
+
+            job = partial(measure, path, {**config.values_without_plan, "model": path},
+                          config.user_keys, routing_dir=self.routing_dir,
+                          loaded_held=held, loaded_model=name, progress=progress,
+                          cancel=threading.Event())
+            try:
+                plan = await trio.to_thread.run_sync(job)
+            finally:
+                state.bus.publish("plan_progress", {"step": "done"})
+            return plan
+
+    async def measure_by_hand(self, path: str) -> dict[str, Any]:
+        plan = await self.measure(path)
+        self.last = plan.to_json()
+        self.last_values = dict(plan.values)
+        self.last_decisions = self.last["decisions"]
+        if self.state.session is not None:
+            self.measured_after_load = True
+        return self.last
+
+    # -- the load path ----------------------------------------------------------------
+
+    async def before_load(self, path: str, values: dict[str, Any]) -> dict[str, Any]:
+        """With auto-plan on: measure, apply, and give the load the planned values.
+        Raises EngineError with the plan's sentence when the model will not fit."""
+        self.load_plan, self.load_held, self.measured_after_load = None, 0, False
+        self.measured = None
+        config = self.state.config
+        if not config.auto_plan:
+            return values
+        self.state._set_state("planning")
+        try:
+            plan = await self.measure(path)
+        except PlanError as e:
+            raise EngineError("failed", str(e)) from None
+        except HTTPError as e:
+            raise EngineError("failed", e.message) from None
+        if not plan.fits:
+            raise EngineError("will_not_fit", plan.sentence)
+        body = plan.to_json()
+        await trio.to_thread.run_sync(config.apply_plan, plan.values, body["decisions"])
+        self.state.bus.publish("config", config.state(None))
+        self.load_plan = body
+        self.load_held = sum(pool["held_bytes"] for pool in body["memory"]["pools"])
+        self.state._set_state("loading")
+        return {**config.values, "model": path}
+
+    # -- following the turns ------------------------------------------------------------
+
+    async def follow(self) -> None:
+        while True:
+            sub = self.state.bus.subscribe(local=True)
+            try:
+                async for name, data in sub.receive:
+                    if name == "state" and isinstance(data, dict) and data.get("state") == "ready":
+                        self._record_routing_on()
+                    elif name == "done" and isinstance(data, dict):
+                        await self._after_turn(data)
+            finally:
+                sub.close()
+
+    def _record_routing_on(self) -> None:
+        session = self.state.session
+        streamer = getattr(session, "streamer", None) if session is not None else None
+        if streamer is not None and hasattr(streamer, "record_routing"):
+            streamer.record_routing = True
+
+    async def _after_turn(self, summary: dict[str, Any]) -> None:
+        session, values = self.state.session, self.state.loaded_values
+        tokens = int(summary.get("tokens") or 0)
+        if session is None or values is None or summary.get("cancelled") or not tokens:
+            return
+        tok_s = float(summary.get("tok_s") or 0.0)
+        if tok_s <= 0:
+            return
+        hit = float(summary.get("cache_hit_pct", -1))
+        self.measured = {"s_per_token": round(1.0 / tok_s, 4), "cache_hit_pct": hit,
+                         "tokens": tokens}
+        streamer = getattr(session, "streamer", None)
+        rows: list[Any] = []
+        if streamer is not None and isinstance(getattr(streamer, "routing", None), list):
+            rows, streamer.routing = streamer.routing, []
+        await trio.to_thread.run_sync(self._write_history, Path(str(session.path)),
+                                      dict(values), rows, dict(self.measured),
+                                      float(summary.get("compute_s_tok") or 0.0))
+
+    def _write_history(self, path: Path, values: dict[str, Any], rows: list[Any],
+                       measured: dict[str, Any], compute_s: float) -> None:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return
+        try:
+            if rows:
+                from ..planner.probes import model_facts
+                p = model_facts(path).probe
+                if p.is_moe:
+                    append_record(record_path(self.routing_dir, path, size), rows,
+                                  model=path.name, size=size, n_layer=p.n_moe_layer,
+                                  n_expert=p.n_expert, n_expert_used=p.n_expert_used)
+            write_cost(cost_path(self.routing_dir, path, size), cost_key(values),
+                       {**measured, "compute_s_tok": compute_s})
+        except OSError as e:
+            self.state.bus.log("warn", "the planner could not keep this model's routing "
+                               f"record ({e.strerror or 'input/output error'})")
+
+
+# -- handlers ---------------------------------------------------------------------------
+
+def _service(state: Any) -> PlanService:
+    planner = getattr(state, "planner", None)
+    if planner is None:
+        raise HTTPError(503, "unavailable", "The planner is not running.")
+    return planner
+
+
+def _with_measured(planner: PlanService, body: dict[str, Any]) -> dict[str, Any]:
+    if planner.measured is not None and planner.state.session is not None:
+        body = {**body, "measured": planner.measured}
+    return body
+
+
+async def get_plan(state: Any, request: Request) -> Response:
+    planner = _service(state)
+    q = request.query
+    if q.get("cached") in ("1", "true"):
+        plan = planner.last if planner.measured_after_load or planner.load_plan is None \
+            else planner.load_plan
+        if plan is None:
+            return Response.json({"available": True, "none": True})
+        return Response.json(_with_measured(planner, {**plan, "cached": True}))
+    if state.generating:
+        raise HTTPError(409, "generating", "A generation is running, which would skew the "
+                        "measurement; ask again when it ends.")
+    if state.state in ("loading", "planning"):
+        raise HTTPError(409, "busy", "A model is loading; ask again when it is ready.")
+    if q.get("measure") not in ("1", "true") and planner.load_plan is not None \
+            and state.session is not None and not planner.measured_after_load:
+        return Response.json(_with_measured(planner, {**planner.load_plan,
+                                                      "from_last_load": True}))
+    model = state.config.values_without_plan.get("model") or (
+        str(state.session.path) if state.session is not None else "")
+    if not model:
+        return Response.json({"available": True, "error": "No model is selected: choose "
+                              "one to plan for."})
+    if not os.path.exists(model):
+        return Response.json({"available": True, "error": f"The model file {Path(model).name} "
+                              "is not there any more."})
+    try:
+        body = await planner.measure_by_hand(str(model))
+    except PlanError as e:
+        return Response.json({"available": True, "error": str(e)})
+    return Response.json(_with_measured(planner, body))
+
+
+async def apply_plan(state: Any, request: Request) -> Response:
+    planner = _service(state)
+    request.json_object()            # any object; its fields are not read
+    if planner.last is None and planner.load_plan is not None and state.session is not None:
+        values, decisions = planner.load_plan["values"], planner.load_plan["decisions"]
+    else:
+        if planner.last is None:
+            model = state.config.values_without_plan.get("model")
+            if not model:
+                raise HTTPError(409, "no_plan", "There is no plan to apply: choose a model "
+                                "and measure first.")
+            if state.generating:
+                raise HTTPError(409, "generating", "A generation is running; apply the plan "
+                                "when it ends.")
+            try:
+                await planner.measure_by_hand(str(model))
+            except PlanError as e:
+                raise HTTPError(409, "no_plan", str(e)) from None
+        assert planner.last is not None
+        values, decisions = planner.last_values, planner.last_decisions
+    config = state.config
+    await trio.to_thread.run_sync(config.apply_plan, values, decisions)
+    out = config.state(state.loaded_values)
+    state.bus.publish("config", out)
+    return Response.json(out)
