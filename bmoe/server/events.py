@@ -40,8 +40,12 @@ class EventBus:
     def subscribers(self) -> int:
         return len(self._subs)
 
-    def publish(self, name: str, data: Any) -> None:
+    def publish(self, name: str, data: Any, *, local_only: bool = False) -> None:
+        """Hand one event to every subscriber (`local_only`: to loopback ones only, as
+        the events of an agent conversation that reaches this computer's files)."""
         for sub in list(self._subs):
+            if local_only and not sub.local:
+                continue
             try:
                 sub.send.send_nowait((name, data))
             except trio.WouldBlock:

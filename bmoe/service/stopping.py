@@ -48,6 +48,7 @@ async def watch_signals(state: Any, scope: trio.CancelScope,
 
 
 async def _stop(state: Any, scope: trio.CancelScope) -> None:
+    state.stopping = True          # new agent messages get 503 stopping from here on
     await _drain(state)
     scope.cancel()
 

@@ -1,0 +1,362 @@
+"""The agent's routes (`docs/agent.md`, "Routes"): thin handlers over `AgentService`.
+
+`add_flags` / `attach` / `run` / `register` are what `bmoe/server/main.py` and the
+route table call, as for the models routes. Routes that reach this computer are on
+`bmoe/http/access.py`'s local-only list; the rules that depend on the conversation (one
+with a workspace or a provider is invisible to the network) are checked here, and
+every route that reaches files, processes or keys checks the peer again itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import shutil
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import trio
+from pydantic import StrictStr
+
+from ..http.access import is_loopback_binding
+from ..http.errors import HTTPError, invalid_request
+from ..http.routes import RouteTable
+from ..http.types import Request, Response
+from ..server import wire
+from . import conversation as cv
+from . import preview
+from .paths import OutsideWorkspace, ToolError, resolve
+from .providers import check_entry
+from .service import AgentService, busy, folder_of, not_found
+
+Handler = Callable[[AgentService, Request], Awaitable[Response]]
+TEXT_MAX_CHARS = 1_000_000        # a message's text
+
+
+class NewConversation(wire.Wire):
+    title: StrictStr | None = None
+    mode: StrictStr | None = None
+    workspace: StrictStr | None = None
+    route: StrictStr | None = None
+
+
+class MessageBody(wire.Wire):
+    text: StrictStr
+
+
+class ApprovalBody(wire.Wire):
+    item: StrictStr
+    decision: StrictStr
+    reason: StrictStr | None = None
+
+
+class WorkspaceBody(wire.Wire):
+    path: StrictStr
+
+
+class ProviderBody(wire.Wire):
+    kind: StrictStr
+    base_url: StrictStr
+    model: StrictStr
+    api_key: StrictStr | None = None
+
+
+def local_only() -> HTTPError:
+    return HTTPError(403, "local_only", "This route answers a client on this machine only.")
+
+
+def require_local(request: Request) -> None:
+    if not request.peer_is_loopback:
+        raise local_only()
+
+
+# -- wiring ------------------------------------------------------------------------------
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-only", action="store_true",
+                   help="conversations are plain chat: no agent tools, no workspaces")
+    p.add_argument("--preview-network", choices=preview.CHOICES, default="auto",
+                   help="whether a previewed workspace page may load from https "
+                        "(auto: on when listening on loopback only)")
+
+
+def attach(state: Any, args: argparse.Namespace) -> None:
+    state.agent = AgentService(state, state.options.data_dir,
+                               chat_only=bool(getattr(args, "chat_only", False)),
+                               preview_network=getattr(args, "preview_network", "auto"))
+
+
+async def run(state: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    await state.agent.run(task_status=task_status)
+
+
+def register(table: RouteTable, state: Any) -> None:
+    flag = "local_only" in inspect.signature(table.add).parameters
+    for method, pattern, fn, local in ROUTES:
+        kw: dict[str, Any] = {"local_only": True} if flag and local else {}
+        table.add(method, pattern, _bound(fn, state), **kw)
+
+
+def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        svc = getattr(state, "agent", None)
+        if svc is None:
+            raise HTTPError(503, "unavailable", "The agent is not running.")
+        return await fn(svc, request)
+    handler.__name__ = fn.__name__
+    return handler
+
+
+# -- what the agent can do ------------------------------------------------------------
+
+async def get_agent(svc: AgentService, request: Request) -> Response:
+    has_tools = not svc.chat_only
+    return Response.json({
+        "tools": has_tools, "commands": has_tools and shutil.which("sh") is not None,
+        "agents": [{"id": "bmoe", "name": "bmoe's agent", "builtin": True, "installed": True}],
+        "mcp": []})
+
+
+# -- conversations ------------------------------------------------------------------------
+
+def _conversation(svc: AgentService, request: Request) -> cv.Conv:
+    """The path's conversation; a private one is not found from the network."""
+    conv = svc.get(request.path_params["id"])
+    if cv.is_private(conv) and not request.peer_is_loopback:
+        raise local_only()
+    return conv
+
+
+def _whole(svc: AgentService, conv: cv.Conv) -> dict[str, Any]:
+    out = dict(conv)
+    w = svc.workspaces.get(conv.get("workspace") or "")
+    out["workspace"] = {"id": w["id"], "path": w["path"]} if w else None
+    return out
+
+
+async def list_conversations(svc: AgentService, request: Request) -> Response:
+    local = request.peer_is_loopback
+    convs = [cv.listing_entry(c) for c in svc.convs.values() if local or not cv.is_private(c)]
+    convs.sort(key=lambda c: c["updated"], reverse=True)
+    return Response.json({"conversations": convs})
+
+
+def _settings(svc: AgentService, request: Request, body: NewConversation) -> dict[str, Any]:
+    """The fields a create or a change sets, checked against who asks."""
+    out: dict[str, Any] = {}
+    if body.title is not None:
+        out["title"] = body.title.strip()[:cv.TITLE_MAX] or "New conversation"
+    if body.mode is not None:
+        if body.mode not in cv.MODES:
+            raise invalid_request("`mode` must be \"read\", \"ask\" or \"full\".")
+        out["mode"] = body.mode
+    if body.workspace is not None:
+        if body.workspace and svc.chat_only:
+            raise HTTPError(409, "chat_only", "This server runs conversations as plain chat: "
+                            "it has no workspaces.")
+        if body.workspace and body.workspace not in svc.workspaces:
+            raise invalid_request("`workspace` names no workspace; add it first.")
+        out["workspace"] = body.workspace or None
+    if body.route is not None:
+        if body.route != "local" and body.route not in svc.providers.providers:
+            raise invalid_request("`route` must be \"local\" or a saved provider's id.")
+        out["route"] = body.route
+    if not request.peer_is_loopback and (out.get("workspace") or out.get("mode") == "full"
+                                         or out.get("route", "local") != "local"):
+        raise local_only()
+    return out
+
+
+async def create_conversation(svc: AgentService, request: Request) -> Response:
+    body = wire.parse(NewConversation, request.json_object())
+    s = _settings(svc, request, body)
+    conv = await svc.create(s.get("title", "New conversation"), s.get("mode", "ask"),
+                            s.get("workspace"), s.get("route", "local"))
+    return Response.json(_whole(svc, conv), status=201)
+
+
+async def get_conversation(svc: AgentService, request: Request) -> Response:
+    return Response.json(_whole(svc, _conversation(svc, request)))
+
+
+async def change_conversation(svc: AgentService, request: Request) -> Response:
+    conv = _conversation(svc, request)
+    s = _settings(svc, request, wire.parse(NewConversation, request.json_object()))
+    moves = any(k in s and s[k] != conv[k] for k in ("workspace", "route"))
+    if moves and svc.running(conv["id"]):
+        raise busy()
+    conv.update(s)
+    svc.touch(conv)
+    await svc.save(conv)
+    return Response.json(_whole(svc, conv))
+
+
+async def delete_conversation(svc: AgentService, request: Request) -> Response:
+    request.json()
+    await svc.delete(_conversation(svc, request))
+    return Response.json({"deleted": True})
+
+
+def _text(body: MessageBody) -> str:
+    if not body.text.strip():
+        raise invalid_request("`text` is empty.")
+    if len(body.text) > TEXT_MAX_CHARS:
+        raise invalid_request(f"`text` is longer than {TEXT_MAX_CHARS} characters.")
+    return body.text
+
+
+async def post_message(svc: AgentService, request: Request) -> Response:
+    conv = _conversation(svc, request)
+    body = request.json_object()
+    if body.get("images"):
+        raise HTTPError(400, "no_vision", "Messages here carry text only.")
+    item = await svc.post_message(conv, _text(wire.parse(MessageBody, body)))
+    return Response.json({"item": item}, status=202)
+
+
+async def edit_message(svc: AgentService, request: Request) -> Response:
+    conv = _conversation(svc, request)
+    text = _text(wire.parse(MessageBody, request.json_object()))
+    item = await svc.edit_message(conv, request.path_params["item"], text)
+    return Response.json({"item": item}, status=202)
+
+
+async def stop(svc: AgentService, request: Request) -> Response:
+    request.json()
+    return Response.json({"stopped": await svc.stop(_conversation(svc, request))})
+
+
+async def approval(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    conv = _conversation(svc, request)
+    body = wire.parse(ApprovalBody, request.json_object())
+    if body.decision not in ("once", "always", "deny"):
+        raise invalid_request("`decision` must be \"once\", \"always\" or \"deny\".")
+    item = svc.approve(conv, body.item, body.decision, (body.reason or "").strip()[:2000])
+    return Response.json({"item": item})
+
+
+# -- the preview ------------------------------------------------------------------------
+
+async def file_preview(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    conv = _conversation(svc, request)
+    root = svc.workspace_root(conv)
+    if root is None:
+        raise not_found("workspace for this conversation")
+    name = request.query.get("path", "")
+    try:
+        path = resolve(root, name)
+    except OutsideWorkspace as e:
+        raise HTTPError(403, "outside_workspace", e.message) from None
+    except ToolError as e:
+        raise invalid_request(e.message) from None
+    data = await trio.to_thread.run_sync(_read_preview, path)
+    loopback = is_loopback_binding(svc.state.options.host)
+    return Response(status=200, body=data, content_type=preview.content_type(path.suffix),
+                    headers=preview.headers(svc.preview_network, loopback))
+
+
+def _read_preview(path: Path) -> bytes:
+    if not path.is_file():
+        raise not_found("file")
+    if path.stat().st_size > preview.PREVIEW_MAX_BYTES:
+        raise HTTPError(413, "too_large", "The file is larger than 16 MiB: it is not previewed.")
+    with open(path, "rb") as f:
+        data = f.read(preview.PREVIEW_MAX_BYTES + 1)
+    if len(data) > preview.PREVIEW_MAX_BYTES:
+        raise HTTPError(413, "too_large", "The file is larger than 16 MiB: it is not previewed.")
+    return data
+
+
+# -- workspaces -----------------------------------------------------------------------
+
+def _no_workspaces(svc: AgentService) -> None:
+    if svc.chat_only:
+        raise HTTPError(409, "chat_only", "This server runs conversations as plain chat: it "
+                        "has no workspaces.")
+
+
+async def list_workspaces(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    return Response.json({"workspaces": list(svc.workspaces.values())})
+
+
+async def add_workspace(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    _no_workspaces(svc)
+    body = wire.parse(WorkspaceBody, request.json_object())
+    real = await trio.to_thread.run_sync(folder_of, body.path)
+    for w in svc.workspaces.values():
+        if w["path"] == str(real):
+            return Response.json(w, status=201)
+    w = {"id": cv.new_id("w_"), "path": str(real), "name": real.name or str(real)}
+    svc.workspaces[w["id"]] = w
+    await svc.save_workspaces()
+    return Response.json(w, status=201)
+
+
+async def delete_workspace(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    request.json()
+    wid = request.path_params["id"]
+    if wid not in svc.workspaces:
+        raise not_found("workspace")
+    if any(svc.running(c["id"]) for c in svc.convs.values() if c.get("workspace") == wid):
+        raise busy()
+    del svc.workspaces[wid]
+    await svc.save_workspaces()
+    return Response.json({"deleted": True})
+
+
+# -- providers ----------------------------------------------------------------------------
+
+async def list_providers(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    listing = await trio.to_thread.run_sync(svc.providers.listing)
+    return Response.json({"providers": listing})
+
+
+async def put_provider(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    body = request.json_object()
+    parsed = wire.parse(ProviderBody, body)
+    try:
+        entry = check_entry(request.path_params["id"], body)
+    except ValueError as e:
+        raise invalid_request(str(e)) from None
+    saved = await trio.to_thread.run_sync(svc.providers.save, entry["id"], entry, parsed.api_key)
+    return Response.json(saved)
+
+
+async def delete_provider(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    request.json()
+    pid = request.path_params["id"]
+    if pid not in svc.providers.providers:
+        raise not_found("provider")
+    if any(svc.running(c["id"]) for c in svc.convs.values() if c.get("route") == pid):
+        raise busy()
+    await trio.to_thread.run_sync(svc.providers.delete, pid)
+    return Response.json({"deleted": True})
+
+
+ROUTES: list[tuple[str, str, Handler, bool]] = [
+    ("GET", "/api/agent", get_agent, False),
+    ("GET", "/api/conversations", list_conversations, False),
+    ("POST", "/api/conversations", create_conversation, False),
+    ("GET", "/api/conversations/{id}", get_conversation, False),
+    ("PUT", "/api/conversations/{id}", change_conversation, False),
+    ("DELETE", "/api/conversations/{id}", delete_conversation, False),
+    ("POST", "/api/conversations/{id}/messages", post_message, False),
+    ("PUT", "/api/conversations/{id}/items/{item}", edit_message, False),
+    ("POST", "/api/conversations/{id}/stop", stop, False),
+    ("POST", "/api/conversations/{id}/approval", approval, True),
+    ("GET", "/api/conversations/{id}/file", file_preview, True),
+    ("GET", "/api/workspaces", list_workspaces, True),
+    ("POST", "/api/workspaces", add_workspace, True),
+    ("DELETE", "/api/workspaces/{id}", delete_workspace, True),
+    ("GET", "/api/providers", list_providers, True),
+    ("PUT", "/api/providers/{id}", put_provider, True),
+    ("DELETE", "/api/providers/{id}", delete_provider, True),
+]
