@@ -89,7 +89,7 @@ def build_chain(session: Any, s: Sampling, grammar_sampler: Any, prompt: list[in
     if bias:
         arr = (lc.llama_logit_bias * len(bias))()
         for i, (t, b) in enumerate(bias.items()):
-            arr[i].token = t
+            arr[i].token = t  # type: ignore[assignment]  # ctypes field
             arr[i].bias = b
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(
             session.n_vocab, len(bias), arr))

@@ -365,6 +365,12 @@ class _TextEncoder:
     def new_call_id(self) -> str:
         return ""
 
+    def encode(self, ev: TurnEvent) -> bytes:
+        raise NotImplementedError
+
+    def whole(self, fin: Finished) -> dict[str, Any]:
+        raise NotImplementedError
+
     def take(self, ev: RawTokens) -> tuple[str, list[int], list[dict[str, Any]]]:
         text = self.filter.feed("".join(t.text for t in ev.tokens))
         self.text += text
