@@ -1,0 +1,50 @@
+"""The agent on the local model: random weights cannot choose tools, so each round's
+output is forced by a test-only grammar (`BMOE_AGENT_TEST_SCRIPT`): the text still
+goes through the turn service, the template's tool-call framing, the parser and the
+KV cache, and the tools really run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import start_server
+from test_agent_e2e import api, kinds, wait_idle
+
+
+def call(name: str, **args: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def test_local_model_reads_edits_runs_and_answers(tmp_path: Path, tiny_moe: Path) -> None:
+    ws = tmp_path / "project"
+    ws.mkdir()
+    (ws / "hello.py").write_text("print('hi')\n")
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps([
+        call("read_file", path="hello.py"),
+        call("edit_file", path="hello.py", old_text="print('hi')", new_text="print('bye')"),
+        call("exec_shell_command", command="python3 hello.py > out.txt; cat out.txt"),
+        "Done: it says bye now."]))
+    srv = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "4096",
+                       env={"BMOE_AGENT_TEST_SCRIPT": str(script)})
+    try:
+        assert srv.info()["state"] == "ready"
+        status, w = api(srv, "POST", "/api/workspaces", {"path": str(ws)})
+        status, conv = api(srv, "POST", "/api/conversations", {"mode": "full", "workspace": w["id"]})
+        cid = conv["id"]
+        status, _ = api(srv, "POST", f"/api/conversations/{cid}/messages", {"text": "Say bye."})
+        assert status == 202
+        conv = wait_idle(srv, cid, timeout=240)
+        assert kinds(conv) == ["user", "assistant", "tool:done", "assistant", "tool:done",
+                               "assistant", "tool:done", "assistant"], conv["items"]
+        assert (ws / "hello.py").read_text() == "print('bye')\n"
+        assert (ws / "out.txt").read_text() == "bye\n"
+        answers = [i for i in conv["items"] if i["kind"] == "assistant"]
+        assert answers[-1]["text"] == "Done: it says bye now."
+        assert json.loads(conv["items"][4]["arguments"])["new_text"] == "print('bye')"
+        # each round after the first prefills only what was appended (KV prefix reuse)
+        for a in answers[1:]:
+            assert 0 < a["usage"]["prefilled"] < a["usage"]["prompt"] / 2, a["usage"]
+    finally:
+        srv.stop()
