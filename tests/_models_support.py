@@ -3,11 +3,12 @@ reader of the server's event stream."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,13 @@ class Events:
     def __init__(self, server: ServerProcess) -> None:
         self.items: list[tuple[str, Any]] = []
         self.lock = threading.Lock()
-        self.resp = urllib.request.urlopen(server.url + "/api/events", timeout=120)
+        host, port = server.url.split("://", 1)[1].rsplit(":", 1)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        self.conn.connect()
+        self.sock = self.conn.sock
+        self.conn.request("GET", "/api/events")
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.status
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -125,7 +132,15 @@ class Events:
         raise AssertionError(f"no {name} event matched within {timeout} s: {self.of(name)[-5:]}")
 
     def close(self) -> None:
+        """Shut the socket first: a reader blocked in a read returns at once (closing the
+        response alone would wait for the reader's lock)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.thread.join(5)
         self.resp.close()
+        self.conn.close()
 
 
 def download_events(ev: Events, eid: str) -> list[dict[str, Any]]:

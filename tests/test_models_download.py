@@ -6,6 +6,7 @@ cancel keeps the part and a second start resumes it; delete partial; delete in u
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -220,17 +221,19 @@ def test_507_before_a_byte_moves_when_the_disk_cannot_take_it(
 
 def test_a_download_survives_its_client_leaving(
         srv: tuple[ServerProcess, Events], hub: tuple[Hub, dict[str, Any]]) -> None:
+    """The client that started it reads the 202 and closes; the job is the server's."""
     s, ev = srv
     h, info = hub
     size = info["slow"].stat().st_size
     h.fault(SLOW, "slow-moe-F32.gguf", rate=size // 2)
     eid = add(s, SLOW, "slow-moe-F32.gguf")
-    import socket
-    sock = socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])))
-    body = b'{"id": "%s"}' % eid.encode()
-    sock.sendall(b"POST /api/models/download HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                 % (int(s.url.rsplit(":", 1)[1]), len(body), body))
-    sock.close()                                           # gone before the answer
+    port = int(s.url.rsplit(":", 1)[1])
+    body = json.dumps({"id": eid}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /api/models/download HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (port, len(body), body))
+        assert sock.recv(12) == b"HTTP/1.1 202"
+    assert s.request("GET", "/api/models")[2]["catalog"][-1]["status"] == "downloading"
     assert wait_download(ev, eid)["state"] == "done"
     assert (models_dir(s) / "slow-moe-F32.gguf").stat().st_size == size

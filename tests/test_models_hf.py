@@ -5,6 +5,7 @@ only URLs the server built from validated parts, the token never on a command li
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,33 @@ def test_curl_only_ever_receives_urls_the_server_built(srv: tuple[ServerProcess,
         url = args[-1]
         assert url.startswith(hub[0].url + "/"), url
         assert not any(a.startswith("http") for a in args[:-1]), args
+
+
+def test_inspect_under_a_memory_cap_will_not_fit(tmp_path: Path,
+                                                 hub: tuple[Hub, dict[str, Any]]) -> None:
+    """The same 66 GB model, with this server in a 1 GiB memory cgroup: its resident floor
+    (dense weights and one token cycle, about 3.3 GB) is more than the process may hold."""
+    group = Path("/sys/fs/cgroup/memory") / f"bmoe-models-test-{tmp_path.name[-12:]}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(1 << 30))
+    except OSError as e:
+        pytest.skip(f"no cgroup-v1 memory controller to cap the server with here: {e}")
+    s = models_server(tmp_path / "data", hub[0])
+    try:
+        (group / "cgroup.procs").write_text(str(s.proc.pid))
+        status, body = post(s, "/api/hf/inspect", {"repo": BIG, "name": BIG_NAME})
+        assert status == 200, body
+        assert body["machine"]["residency_budget"] <= 1 << 30
+        v = body["verdict"]
+        assert (v["mode"], v["fit"]) == ("streams", "will_not_fit"), v
+        assert v["headline"].startswith("Will not fit: 3291 MiB must stay resident")
+        print("\nCAPPED", json.dumps(v, indent=1))
+    finally:
+        s.stop()
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
