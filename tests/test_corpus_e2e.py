@@ -168,7 +168,7 @@ def chat_cases() -> list[Case]:
                                  {"enable_thinking": []}],
         "think": ["yes", 1, 0, [], {}],
         "reasoning_effort": [1, [], {}, True, 0.5],
-        "n": [2, "1", 0, -1, [], {}, True],
+        "n": [17, "1", 0, -1, [], {}, True],
     }
     lenient: dict[str, list[Any]] = {
         "messages.0.content": [None, "", "x" * 300_000, "\u0000", "\U0001f600", "\ufffe"],

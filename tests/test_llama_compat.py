@@ -759,3 +759,37 @@ def test_autoload_wakes_on_completion(tmp_path: Path, tiny_moe: Path) -> None:
         assert srv.request("GET", "/health")[2] == {"status": "ok"}
     finally:
         srv.stop()
+
+
+def test_chat_n_choices(srv: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, one = post(srv, "/v1/chat/completions", body)
+    status, two = post(srv, "/v1/chat/completions", {**body, "n": 2})
+    assert status == 200, two
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    greedy = srv.request("GET", "/api/config")[2]["values"].get("temp", 0) in (0, 0.0)
+    if greedy:
+        assert all(c["message"] == one["choices"][0]["message"] for c in two["choices"])
+    assert two["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert 2 <= two["usage"]["completion_tokens"] <= 8
+    chunks = stream_chunks(srv, "/v1/chat/completions",
+                           {**body, "n": 2, "stream_options": {"include_usage": True}})
+    assert chunks[-1] == "[DONE]" and chunks.count("[DONE]") == 1
+    seen = {c["choices"][0]["index"] for c in chunks[:-1] if c.get("choices")}
+    assert seen == {0, 1}
+    assert chunks[-2]["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    got = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                        _strict_response_validation=True).chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=3)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    status, refused = post(srv, "/v1/chat/completions", {**body, "n": 17})
+    assert status == 400 and "`n`" in json.dumps(refused)
+
+
+def test_seeded_choices_take_seed_plus_i() -> None:
+    from bmoe.engine.sampling import SEED_RANDOM, Sampling
+    from bmoe.engine.turn import TurnRequest
+    from bmoe.server.choices import seeded
+    req = TurnRequest(messages=[])
+    assert [r.sampling.seed for r in seeded(req, 3, Sampling(seed=7))] == [7, 8, 9]
+    assert all(r.sampling.seed == SEED_RANDOM for r in seeded(req, 2, Sampling()))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from dataclasses import replace
 from typing import Any
 
 from pydantic import StrictBool, StrictStr
@@ -35,13 +34,13 @@ from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
-from . import chatreq, turnservice, wire
+from . import chatreq, choices, turnservice, wire
+from .choices import Tally
 from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import Failed, Finished, Ping, RawTokens, Shape, Started, TurnEvent, Waiting
 
 I32_MAX = 2**31 - 1
-N_CHOICES_MAX = 16               # n on /v1/completions: the turn line's waiting places
 PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)
 STOP_WORDS_MAX = 16
 STOP_WORD_CHARS_MAX = 256
@@ -453,39 +452,19 @@ class LlamaEncoder(_TextEncoder):
         return self.final(fin, self.text, streamed=False)
 
 
-class Choices:
-    """What the choices of one request share: the id, and the usage (the prompt
-    counted once, every choice's completion tokens)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.id = "cmpl-" + secrets.token_hex(12)
-        self.created = int(time.time())
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.failed = False
-
-    def count(self, fin: Finished) -> None:
-        self.prompt_tokens = self.prompt_tokens or fin.n_prompt
-        self.completion_tokens += fin.n_output
-
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-
 class OpenAIEncoder(_TextEncoder):
     """Turn events → OpenAI's `text_completion` JSON, or its chunks and `[DONE]`; one
     encoder per choice, the last of a stream ending it."""
 
-    def __init__(self, req: TurnRequest, include_usage: bool, index: int = 0,
-                 choices: Choices | None = None) -> None:
+    def __init__(self, req: TurnRequest, include_usage: bool, index: int = 0, n: int = 1,
+                 tally: Tally | None = None, id_: str = "", created: int = 0) -> None:
         super().__init__(req)
-        self.choices = choices or Choices(1)
-        self.id, self.created = self.choices.id, self.choices.created
+        self.tally = tally or Tally()
+        self.id = id_ or "cmpl-" + secrets.token_hex(12)
+        self.created = created or int(time.time())
         self.include_usage = include_usage
         self.index = index
-        self.last = index == self.choices.n - 1
+        self.last = index == n - 1
 
     def _body(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -502,7 +481,7 @@ class OpenAIEncoder(_TextEncoder):
                 if text else b""
         if isinstance(ev, Finished):
             self.model = ev.model
-            self.choices.count(ev)
+            self.tally.count(ev)
             out = sse_event(None, self._body({"text": self.rest(),
                                               "finish_reason": finish_reason(ev)}))
             if not self.last:
@@ -510,19 +489,22 @@ class OpenAIEncoder(_TextEncoder):
             if self.include_usage:
                 body = self._body({})
                 body["choices"] = []
-                body["usage"] = self.choices.usage()
+                body["usage"] = self.tally.usage()
                 out += sse_event(None, body)
             return out + sse_done()
         if isinstance(ev, Failed):
-            self.choices.failed = True
+            self.tally.failed = True
             return self.error_event(ev.error) + sse_done()
         return b""
+
+    def error_bytes(self, err: HTTPError) -> bytes:
+        return self.error_event(err) + sse_done()
 
     def whole(self, fin: Finished) -> dict[str, Any]:
         self.rest()
         self.model = fin.model                  # (`encode` counted it when it finished)
         body = self._body({"text": self.text, "finish_reason": finish_reason(fin)})
-        body["usage"] = self.choices.usage()
+        body["usage"] = self.tally.usage()
         body["timings"] = timings(fin)
         return body
 
@@ -533,25 +515,12 @@ def finish_reason(fin: Finished) -> str:
 
 # -- handlers -----------------------------------------------------------------------
 
-async def _whole(state: ServerState, req: TurnRequest, encoder: _TextEncoder) -> dict[str, Any]:
-    turn = turnservice.Turn(state, req)
-
-    async def emit(ev: TurnEvent) -> None:
-        encoder.encode(ev)      # the encoder keeps the text, ids and probabilities
-
-    try:
-        fin = await turnservice.drive(turn, emit, encoder.shape)
-    finally:
-        turn.close()
-    return encoder.whole(fin)
-
-
 async def serve(state: ServerState, req: TurnRequest, encoder: _TextEncoder,
                 streaming: bool) -> Response | StreamResponse:
     turnservice.require_model(state)
     try:
         if not streaming:
-            return Response.json(await _whole(state, req, encoder))
+            return Response.json(await choices.whole(state, req, encoder))
         turn = await turnservice.open_stream(state, req)
     except EngineError as e:
         raise engine_http_error(e) from None
@@ -575,59 +544,25 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
     return await serve(state, req, encoder, streaming)
 
 
-def choice_requests(req: TurnRequest, n: int) -> list[TurnRequest]:
-    """n choices of one prompt: choice i samples with the request's seed plus i (a
-    random seed stays random), so choice 0 is what n 1 answers."""
-    sampling = req.sampling or Sampling()
-    if sampling.seed == SEED_RANDOM:
-        return [req] * n
-    return [replace(req, sampling=sampling.with_seed((sampling.seed + i) % SEED_RANDOM))
-            for i in range(n)]
-
-
 async def openai_completion(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode_openai(body, server_budget(state))
     opts = body.get("stream_options") or {}
     include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-    reqs = choice_requests(req, _integer(body, "n", 1, 1, N_CHOICES_MAX))
-    choices = Choices(len(reqs))
-    encoders = [OpenAIEncoder(r, include_usage, i, choices) for i, r in enumerate(reqs)]
-    if len(reqs) == 1:
-        return await serve(state, req, encoders[0], bool(body.get("stream")))
-    if body.get("stream"):
-        return await _stream_choices(state, reqs, encoders)
-    turnservice.require_model(state)
-    try:
-        answers = [await _whole(state, r, e) for r, e in zip(reqs, encoders, strict=True)]
-    except EngineError as e:
-        raise engine_http_error(e) from None
-    merged = answers[-1]
-    merged["choices"] = [a["choices"][0] for a in answers]
-    merged["timings"] = answers[0]["timings"]
-    return Response.json(merged)
+    n = choices.read_n(body)
+    reqs = choices.seeded(req, n, req.sampling or Sampling())
+    tally = choices.Tally()
+    first = OpenAIEncoder(reqs[0], include_usage, 0, n, tally)
+    encoders = [first] + [OpenAIEncoder(r, include_usage, i, n, tally, first.id, first.created)
+                          for i, r in enumerate(reqs[1:], 1)]
+    return await choices.serve(state, reqs, encoders, tally, bool(body.get("stream")),
+                               merge_choices)
 
 
-async def _stream_choices(state: ServerState, reqs: list[TurnRequest],
-                          encoders: list[OpenAIEncoder]) -> StreamResponse:
-    """n choices in one stream, one after another on the one session."""
-    turnservice.require_model(state)
-    try:
-        first = await turnservice.open_stream(state, reqs[0])
-    except EngineError as e:
-        raise engine_http_error(e) from None
-
-    async def produce(send: Any) -> None:
-        await turnservice.stream(first, encoders[0], send)
-        for req, encoder in zip(reqs[1:], encoders[1:], strict=True):
-            if encoders[0].choices.failed:
-                return
-            try:
-                turn = turnservice.Turn(state, req)
-            except HTTPError as e:
-                await send(encoder.error_event(e) + sse_done())
-                return
-            await turnservice.stream(turn, encoder, send)
-
-    return StreamResponse(produce=produce, headers=[("Cache-Control", "no-cache")],
-                          on_close=first.close)
+def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """n answers as one: every choice, the usage of the last (the tally's), the first's
+    timings."""
+    merged = dict(bodies[-1])
+    merged["choices"] = [b["choices"][0] for b in bodies]
+    merged["timings"] = bodies[0]["timings"]
+    return merged

@@ -10,11 +10,12 @@ from typing import Any, Callable
 from ..engine.chatparse import random_call_ids
 from ..engine.errors import EngineError
 from ..engine.images import ImageSet
+from ..engine.sampling import SEED_RANDOM, Sampling
 from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
-from . import chatreq, turnservice, wire
+from . import chatreq, choices, turnservice, wire
 from .imageparts import image_part
 from .shapes import engine_http_error
 from .state import ServerState
@@ -173,9 +174,7 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
         chatreq.budget(body.get("max_tokens"), "max_tokens", values)
     schema = chatreq.response_format_schema(body.get("response_format"), body.get("json_schema"))
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise invalid_request("`n` above 1 is not supported: the server answers one choice.")
+    choices.read_n(body)                  # n choices: `handle` runs them (choices.py)
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=budget, think=think, schema=schema,
                       grammar=field(body, "grammar", str) or None,
@@ -211,6 +210,9 @@ class ChatEncoder:
         self.model = ""
         self.include_usage = include_usage
         self._new_id = new_call_id or random_call_ids()
+        self.index = 0                              # this choice's index (n above 1)
+        self.last = True                            # ... whether its end ends the stream
+        self.tally: choices.Tally | None = None     # the usage of all n choices
 
     def new_call_id(self) -> str:
         return self._new_id()
@@ -232,16 +234,17 @@ class ChatEncoder:
         if calls:
             message["tool_calls"] = calls
         body = self.envelope("chat.completion")
-        body["choices"] = [{"index": 0, "message": message, "logprobs": None,
+        body["choices"] = [{"index": self.index, "message": message, "logprobs": None,
                             "finish_reason": _finish_reason(fin)}]
-        body["usage"] = _usage(fin)
+        body["usage"] = self._usage(fin)
         body["bmoe"] = {"summary": fin.summary}
         return body
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None,
               extra: dict[str, Any] | None = None) -> bytes:
         body = self.envelope("chat.completion.chunk")
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": self.index, "delta": delta, "logprobs": None,
+                            "finish_reason": finish}]
         if extra:
             body.update(extra)
         return sse_event(None, body)
@@ -278,14 +281,28 @@ class ChatEncoder:
         return b""
 
     def _error(self, err: HTTPError) -> bytes:
+        if self.tally is not None:
+            self.tally.failed = True
         return sse_event(None, {"error": {"message": err.message, "code": err.code}}) + sse_done()
 
+    error_bytes = _error
+
+    def _usage(self, fin: Finished) -> dict[str, Any]:
+        if self.tally is None:
+            return _usage(fin)
+        return {**self.tally.usage(),
+                "prompt_tokens_details": {"cached_tokens": self.tally.cached_tokens}}
+
     def _finished(self, fin: Finished) -> bytes:
+        if self.tally is not None:
+            self.tally.count(fin)
         out = self.chunk({}, _finish_reason(fin), {"bmoe": {"summary": fin.summary}})
+        if not self.last:
+            return out
         if self.include_usage:
             body = self.envelope("chat.completion.chunk")
             body["choices"] = []
-            body["usage"] = _usage(fin)
+            body["usage"] = self._usage(fin)
             out += sse_event(None, body)
         return out + sse_done()
 
@@ -296,6 +313,37 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     req = decode(body, state.config)
     opts = body.get("stream_options") or {}
     include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+    n = choices.read_n(body)
+    if n > 1:
+        return await serve_choices(state, req, n, include_usage, bool(body.get("stream")))
     return await turnservice.serve(state, req, ChatEncoder(include_usage),
                                    streaming=bool(body.get("stream")),
                                    http_error=engine_http_error)
+
+
+def session_sampling(state: ServerState) -> Sampling:
+    """The server's own sampling settings (`temp`, `top-k`, `top-p`, `seed`) as a value,
+    so that choice i of n can take the seed plus i."""
+    values = state.session.values if state.session is not None else state.config.values
+    return Sampling(temperature=float(values.get("temp") or 0.0),
+                    top_k=int(values.get("top-k", 40)), top_p=float(values.get("top-p", 0.95)),
+                    min_p=0.0, seed=int(values.get("seed", SEED_RANDOM)))
+
+
+async def serve_choices(state: ServerState, req: TurnRequest, n: int, include_usage: bool,
+                        streaming: bool) -> Response | StreamResponse:
+    """n choices, one after another (choices.py); the whole answer lists them all."""
+    reqs = choices.seeded(req, n, session_sampling(state))
+    tally = choices.Tally()
+    encoders = [ChatEncoder(include_usage) for _ in reqs]
+    for i, encoder in enumerate(encoders):
+        encoder.id, encoder.created = encoders[0].id, encoders[0].created
+        encoder.index, encoder.last, encoder.tally = i, i == n - 1, tally
+
+    def merge(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+        merged = dict(bodies[-1])
+        merged["choices"] = [b["choices"][0] for b in bodies]
+        merged["bmoe"] = bodies[0]["bmoe"]
+        return merged
+
+    return await choices.serve(state, reqs, encoders, tally, streaming, merge)
