@@ -256,11 +256,16 @@ class HfSite:
                 n = min(HEADER_CAP, max(n * 2, t.needed + MIB))
 
     async def probe(self, repo: str, revision: str, model: RepoModel, token: str) -> ModelProbe:
+        headers = []
+        for f in model.files:
+            try:
+                headers.append(await self.header(repo, revision, f.path, token))
+            except Unreadable as e:
+                return ModelProbe.unreadable(e.reason)
         try:
-            headers = [await self.header(repo, revision, f.path, token) for f in model.files]
             return ModelProbe.of(headers)
-        except Unreadable as e:
-            return ModelProbe.unreadable(e.reason)
+        except Exception:  # noqa: BLE001 - a hostile header never takes a request down
+            return ModelProbe.unreadable("the header could not be read")
 
     def entry(self, repo: str, revision: str, model: RepoModel) -> Entry:
         files = []
