@@ -520,7 +520,7 @@ def add_cli_flags(parser: argparse.ArgumentParser, server: bool) -> None:
     group = parser.add_argument_group("engine parameters")
     for p in _table():
         names = [p.flag] + ([p.short] if p.short else [])
-        common = {"dest": p.dest, "default": argparse.SUPPRESS}
+        common: dict[str, Any] = {"dest": p.dest, "default": argparse.SUPPRESS}
         if p.type == "bool":
             group.add_argument(*names, action="store_const", const=True,
                                help=_help(p, server), **common)

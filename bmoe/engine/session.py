@@ -119,6 +119,26 @@ def _meta(model: Any, key: str) -> str | None:
 
 
 class Session:
+    # Set while the model loads (`_open`, `_make_context`, `_setup_template`): llama.cpp's
+    # handles are ctypes values, typed Any; the rest is plain.
+    model: Any
+    ctx: Any
+    vocab: Any
+    memory: Any
+    _batch: Any
+    arch: str
+    n_vocab: int
+    n_ctx: int
+    n_ctx_train: int
+    n_batch: int
+    n_expert: int
+    n_expert_used: int
+    compute_threads: int
+    template_text: str
+    template: ChatTemplate | None
+    bos_token: str
+    eos_token: str
+
     def __init__(self, model_path: str | os.PathLike[str], values: dict[str, Any],
                  streamer_factory: Callable[["Session"], Streamer | None] | None = None) -> None:
         _quiet_llama_logs()
@@ -527,7 +547,7 @@ class Session:
         self.kv_tokens = []
 
 
-_NO_ABORT = ctypes.cast(None, lc.ggml_abort_callback)
+_NO_ABORT = ctypes.cast(ctypes.c_void_p(), lc.ggml_abort_callback)
 
 
 class _StopWatch:

@@ -719,7 +719,7 @@ def _write(spec: ModelSpec, path: Path) -> None:
             w.write_padding(out, out.tell())
             written = 0
             for chunk in _chunks(spec, vocab, t):
-                out.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+                out.write(np.ascontiguousarray(chunk).data.cast("B"))
                 written += chunk.nbytes
             if written != t.nbytes:
                 raise AssertionError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
