@@ -56,7 +56,8 @@ def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: lis
     step(3)
     memory = probe_memory(loaded_held)
     step(4)
-    record, warning, costs = None, "", {}
+    record: Any = None
+    warning, costs = "", dict[str, Any]()
     if routing_dir is not None:
         record, warning, costs = read_history(routing_dir, facts)
     return make_plan(PlanInputs(facts, memory, storage, compute, dict(values),
