@@ -101,8 +101,11 @@ def test_the_expert_streamer_sees_the_image_prefill(tmp_path: Path) -> None:
                 streamer_factory)
     try:
         assert s.streamer is not None and s.vision is not None
+        before = s.streamer.summary()
         r = turn(s, [png((7, 7, 7))])
         assert r.generation.finish == "length"
         assert r.summary["image_tokens"] == 16
+        # the image's decode ran through the streamer's graph callback: experts were read
+        assert r.summary["prefill_read_mib"] > before.get("prefill_read_mib", 0.0)
     finally:
         s.close()

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("bmoe.vision")
 
 CANCEL_STRIDE = 16   # projector graph nodes between two looks at the cancel flag
+SHAPES_KEPT = 1024   # images whose prompt shape is remembered (a few hundred bytes each)
 _ID_SPAN = 2**31 - 2
 _NO_POST_DECODE = ctypes.cast(None, mtmd.mtmd_helper_post_decode_callback)  # type: ignore[arg-type]
 
@@ -72,15 +73,36 @@ def image_ids(digest: bytes, n: int) -> list[int]:
     return [-(1 + (h + j) % _ID_SPAN) for j in range(n)]
 
 
-@dataclass
-class PromptImage:
-    """One image of a prepared prompt: where its ids sit and the chunk that makes them."""
+@dataclass(frozen=True)
+class ImageShape:
+    """What an image becomes in a prompt, remembered by its hash: the projector's own
+    text before and after it, and its positions and tokens."""
 
-    start: int
+    before: tuple[int, ...]
     n_pos: int
     n_tokens: int
-    chunks: Any          # the mtmd_input_chunks that own `chunk`
-    chunk: Any           # the image chunk
+    after: tuple[int, ...]
+
+
+@dataclass
+class PromptImage:
+    """One image of a prepared prompt: where its ids sit, and (once made, until the
+    prefill is over) the chunk libmtmd encodes."""
+
+    start: int
+    shape: ImageShape
+    source: ImageInput
+    label: str
+    chunks: Any = None   # the mtmd_input_chunks that own `chunk`
+    chunk: Any = None    # the image chunk
+
+    @property
+    def n_pos(self) -> int:
+        return self.shape.n_pos
+
+    @property
+    def n_tokens(self) -> int:
+        return self.shape.n_tokens
 
 
 @dataclass
@@ -101,6 +123,7 @@ class Vision:
         self._cancel: threading.Event | None = None
         self._nodes = 0
         self._pending: list[PromptImage] = []
+        self._shapes: dict[bytes, ImageShape] = {}
         self._eval_ref = lc.ggml_backend_sched_eval_callback(self._eval)
         _quiet_mtmd_logs()
         params = mtmd.mtmd_context_params_default()
@@ -146,13 +169,16 @@ class Vision:
             self.ctx = None
 
     def release(self) -> None:
-        """Free the chunks of the prompt prepared last."""
-        seen: set[int] = set()
-        for im in self._pending:
-            if id(im.chunks) not in seen:
-                seen.add(id(im.chunks))
-                mtmd.mtmd_input_chunks_free(im.chunks)
+        """Forget the prompt prepared last, and free its chunks."""
+        self.free_chunks()
         self._pending = []
+
+    def free_chunks(self) -> None:
+        """Free the chunks (the preprocessed images) of the prompt prepared last."""
+        for im in self._pending:
+            if im.chunks is not None:
+                mtmd.mtmd_input_chunks_free(im.chunks)
+                im.chunks = im.chunk = None
 
     # -- the projector's graph callback ---------------------------------------
 
@@ -166,52 +192,79 @@ class Vision:
     # -- prompts ---------------------------------------------------------------
 
     def build_prompt(self, session: "Session", text: str, images: ImageSet) -> VisionPrompt:
-        """The prompt's ids: text tokenized, each image as its ids (engine thread)."""
+        """The prompt's ids: text tokenized, each image as its ids (engine thread).
+
+        An image seen before (its hash in `_shapes`) is not decoded again here: its ids
+        are known, and it is decoded only if the prefill must encode it."""
         self.release()
         pattern = images.pattern()
         out = VisionPrompt([])
         pos = 0
         first = True
-        for m in pattern.finditer(text):
-            out.tokens += _tokens(session, text[pos:m.start()], first)
-            first = False
-            i = int(m.group(1))
-            if i >= len(images.items):
-                raise EngineError("invalid_request", "An image marker names no image.")
-            self._add_image(out, images.items[i], f"Image {i + 1}")
-            pos = m.end()
-        out.tokens += _tokens(session, text[pos:], first)
-        if len(out.images) != len(images.items):
+        try:
+            for m in pattern.finditer(text):
+                out.tokens += _tokens(session, text[pos:m.start()], first)
+                first = False
+                i = int(m.group(1))
+                if i >= len(images.items):
+                    raise EngineError("invalid_request", "An image marker names no image.")
+                self._add_image(out, images.items[i], f"Image {i + 1}")
+                pos = m.end()
+            out.tokens += _tokens(session, text[pos:], first)
+            if len(out.images) != len(images.items):
+                raise EngineError("template_rejected", "The chat template did not keep every "
+                                  "image's place in the conversation, so the images cannot "
+                                  "be read.")
+        except BaseException:
             self.release()
-            raise EngineError("template_rejected", "The chat template did not keep every "
-                              "image's place in the conversation, so the images cannot be "
-                              "read.")
+            raise
         out.n_cells = len(out.tokens) + sum(im.n_tokens - im.n_pos for im in out.images)
         return out
 
     def _add_image(self, out: VisionPrompt, img: ImageInput, label: str) -> None:
+        shape = self._shapes.get(img.digest)
+        pim = PromptImage(0, shape or ImageShape((), 0, 0, ()), img, label)
+        self._pending.append(pim)
+        if shape is None:
+            self._make_chunk(pim)
+            shape = pim.shape
+        out.tokens += shape.before
+        pim.start = len(out.tokens)
+        out.images.append(pim)
+        out.tokens += image_ids(img.digest, shape.n_pos)
+        out.tokens += shape.after
+
+    def _make_chunk(self, pim: PromptImage) -> None:
+        """Decode the image and let libmtmd make its chunk; learn (or check) its shape."""
         try:
-            bitmap = decode_rgb(img, label)
+            bitmap = decode_rgb(pim.source, pim.label)
         except ImageRefused as e:
             raise EngineError("invalid_request", str(e)) from None
-        chunks = self._tokenize(bitmap, img.digest)
+        pim.chunks = chunks = self._tokenize(bitmap, pim.source.digest)
+        before: list[int] = []
+        after: list[int] = []
         for j in range(mtmd.mtmd_input_chunks_size(chunks)):
             chunk = mtmd.mtmd_input_chunks_get(chunks, j)
             kind = mtmd.mtmd_input_chunk_get_type(chunk)
             if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
                 n = ctypes.c_size_t(0)
                 toks = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                out.tokens += [int(toks[k]) for k in range(n.value)]
-            elif kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))
-                n_tok = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-                pim = PromptImage(len(out.tokens), n_pos, n_tok, chunks, chunk)
-                out.images.append(pim)
-                self._pending.append(pim)
-                out.tokens += image_ids(img.digest, n_pos)
-        if not any(p.chunks is chunks for p in self._pending):
-            mtmd.mtmd_input_chunks_free(chunks)
-            raise EngineError("failed", f"{label}: the projector made no image tokens of it.")
+                (after if pim.chunk is not None else before).extend(
+                    int(toks[k]) for k in range(n.value))
+            elif kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE and pim.chunk is None:
+                pim.chunk = chunk
+                shape = ImageShape((), int(mtmd.mtmd_input_chunk_get_n_pos(chunk)),
+                                   int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)), ())
+        if pim.chunk is None:
+            raise EngineError("failed", f"{pim.label}: the projector made no image tokens of it.")
+        shape = ImageShape(tuple(before), shape.n_pos, shape.n_tokens, tuple(after))
+        if pim.shape.n_pos and pim.shape != shape:
+            raise EngineError("failed", f"{pim.label}: the projector read the image differently "
+                              "the second time.")
+        pim.shape = shape
+        if len(self._shapes) >= SHAPES_KEPT:
+            self._shapes.pop(next(iter(self._shapes)))
+        self._shapes[pim.source.digest] = shape
 
     def _tokenize(self, bitmap: Bitmap, digest: bytes) -> Any:
         buf = (ctypes.c_uint8 * len(bitmap.rgb)).from_buffer_copy(bitmap.rgb)
@@ -245,6 +298,13 @@ class Vision:
     def prefill(self, session: "Session", prompt: list[int], start: int,
                 cancel: threading.Event) -> None:
         """Decode `prompt[start:]` (text and images) at positions start.. ."""
+        try:
+            self._prefill(session, prompt, start, cancel)
+        finally:
+            self.free_chunks()
+
+    def _prefill(self, session: "Session", prompt: list[int], start: int,
+                 cancel: threading.Event) -> None:
         pos = start
         n = len(prompt)
         while pos < n:
@@ -268,6 +328,8 @@ class Vision:
                            cancel: threading.Event) -> None:
         from .session import _Aborted
 
+        if im.chunk is None:          # an image seen before, not decoded at prepare
+            self._make_chunk(im)
         self._cancel = cancel
         self._nodes = 0
         try:

@@ -12,6 +12,7 @@ import { readSSE } from './sse.js';
 import { responseError } from './api.js';
 import { newAnswer, applyData, historyMessage, prettyArguments } from './chatstream.js';
 import { fmt, fmtSeconds } from './metrics.js';
+import { Attachments, contentImages, contentText, thumbnail, userContent } from './attach.js';
 
 const FINISH_TEXT = {
   stop: '',
@@ -44,6 +45,19 @@ export class Chat {
       }
     });
     this.prompt.addEventListener('input', () => this.updateButtons());
+    this.attachments = new Attachments({
+      button: byId('attach'),
+      input: byId('attach-file'),
+      tray: byId('attach-tray'),
+      note: byId('attach-note'),
+      prompt: this.prompt,
+      onChange: () => this.updateButtons(),
+      probeVision: () =>
+        this.api
+          .get('/api/info')
+          .then((i) => Boolean(i && i.state === 'ready' && i.model && i.model.vision))
+          .catch(() => false),
+    });
     this.updateButtons();
   }
 
@@ -70,12 +84,15 @@ export class Chat {
     if (this.current) return;
     this.turns = [];
     this.transcript.replaceChildren();
+    this.attachments.take();
+    this.attachments.refuse('');
     this.prompt.focus();
   }
 
   updateButtons() {
     const busy = Boolean(this.current);
-    this.sendButton.disabled = busy || !this.prompt.value.trim();
+    const images = this.attachments ? this.attachments.images.length : 0;
+    this.sendButton.disabled = busy || (!this.prompt.value.trim() && !images);
     this.stopButton.hidden = !busy;
     this.sendButton.hidden = busy;
     byId('new-chat').disabled = busy;
@@ -83,14 +100,14 @@ export class Chat {
 
   submit() {
     const text = this.prompt.value.trim();
-    if (!text || this.current) return;
+    if ((!text && !this.attachments.images.length) || this.current) return;
     this.prompt.value = '';
-    this.send(text);
+    this.send(text, this.attachments.take());
   }
 
-  async send(text) {
+  async send(text, images = []) {
     const turn = {
-      user: { role: 'user', content: text },
+      user: { role: 'user', content: userContent(text, images) },
       assistant: null,
       answer: newAnswer(),
       inHistory: false,
@@ -178,7 +195,14 @@ export class Chat {
   // -- rendering ------------------------------------------------------------------
 
   mountTurn(turn) {
-    const user = h('div', { class: 'msg msg-user' }, h('div', { class: 'msg-role', text: 'You' }), h('div', { class: 'msg-text', text: turn.user.content }));
+    const pics = contentImages(turn.user.content);
+    const user = h(
+      'div',
+      { class: 'msg msg-user' },
+      h('div', { class: 'msg-role', text: 'You' }),
+      pics.length ? h('div', { class: 'msg-images' }, ...pics.map((u, i) => thumbnail(u, `image ${i + 1}`))) : null,
+      h('div', { class: 'msg-text', text: contentText(turn.user.content) }),
+    );
     turn.els = {
       status: h('div', { class: 'msg-status' }),
       reasoningCount: h('span', { class: 'reasoning-count' }),
