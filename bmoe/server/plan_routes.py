@@ -76,8 +76,6 @@ class PlanService:
         self.routing_dir = Path(state.options.data_dir) / "routing"
         self._lock = trio.Lock()
         self.last: dict[str, Any] | None = None          # the last measured plan's JSON
-        self.last_values: dict[str, Any] = {}
-        self.last_decisions: list[Any] = []
         self.load_plan: dict[str, Any] | None = None     # what the loaded model was loaded with
         self.load_held = 0
         self.measured_after_load = False
@@ -118,10 +116,15 @@ class PlanService:
     async def measure_by_hand(self, path: str) -> dict[str, Any]:
         plan = await self.measure(path)
         self.last = plan.to_json()
-        self.last_values = dict(plan.values)
-        self.last_decisions = self.last["decisions"]
         if self.state.session is not None:
             self.measured_after_load = True
+        return self.last
+
+    def current(self) -> dict[str, Any] | None:
+        """The plan a person saw last: the loaded model's, unless measured since."""
+        if self.load_plan is not None and self.state.session is not None \
+                and not self.measured_after_load:
+            return self.load_plan
         return self.last
 
     # -- the load path ----------------------------------------------------------------
@@ -230,8 +233,7 @@ async def get_plan(state: Any, request: Request) -> Response:
     planner = _service(state)
     q = request.query
     if q.get("cached") in ("1", "true"):
-        plan = planner.last if planner.measured_after_load or planner.load_plan is None \
-            else planner.load_plan
+        plan = planner.current()
         if plan is None:
             return Response.json({"available": True, "none": True})
         return Response.json(_with_measured(planner, {**plan, "cached": True}))
@@ -262,25 +264,22 @@ async def get_plan(state: Any, request: Request) -> Response:
 async def apply_plan(state: Any, request: Request) -> Response:
     planner = _service(state)
     request.json_object()            # any object; its fields are not read
-    if planner.last is None and planner.load_plan is not None and state.session is not None:
-        values, decisions = planner.load_plan["values"], planner.load_plan["decisions"]
-    else:
-        if planner.last is None:
-            model = state.config.values_without_plan.get("model")
-            if not model:
-                raise HTTPError(409, "no_plan", "There is no plan to apply: choose a model "
-                                "and measure first.")
-            if state.generating:
-                raise HTTPError(409, "generating", "A generation is running; apply the plan "
-                                "when it ends.")
-            try:
-                await planner.measure_by_hand(str(model))
-            except PlanError as e:
-                raise HTTPError(409, "no_plan", str(e)) from None
-        assert planner.last is not None
-        values, decisions = planner.last_values, planner.last_decisions
+    plan = planner.current()
+    if plan is None:
+        model = state.config.values_without_plan.get("model")
+        if not model:
+            raise HTTPError(409, "no_plan", "There is no plan to apply: choose a model "
+                            "and measure first.")
+        if state.generating:
+            raise HTTPError(409, "generating", "A generation is running; apply the plan "
+                            "when it ends.")
+        try:
+            plan = await planner.measure_by_hand(str(model))
+        except PlanError as e:
+            raise HTTPError(409, "no_plan", str(e)) from None
     config = state.config
-    await trio.to_thread.run_sync(config.apply_plan, values, decisions)
+    await trio.to_thread.run_sync(config.apply_plan, plan.get("values", {}),
+                                  plan.get("decisions", []))
     out = config.state(state.loaded_values)
     state.bus.publish("config", out)
     return Response.json(out)
