@@ -457,3 +457,53 @@ def test_events_carry_conversation_item_and_delta(agent_server: ServerProcess, p
               for line in block.split("\n") if line.startswith("data: ")]
     assert any(d.get("arguments") for d in deltas) and any(d.get("text") for d in deltas)
     assert "".join(d.get("text", "") for d in deltas) == "Hello there."
+
+
+def test_kill_9_during_conversation_writes(tmp_path: Path, provider: Scripted,
+                                           workspace: Path) -> None:
+    """A conversation saved about 80 times a run (each round and each call), the server
+    killed with SIGKILL at three moments: the file always parses, whole, and reloads."""
+    data = tmp_path / "data"
+    cid = ""
+    seen = 0
+    for kill_at in (9, 31, 57):
+        srv = start_server(data, wait_ready=False)
+        try:
+            if not cid:
+                cid = setup_conversation(srv, provider, workspace, "openai", "full")
+            assert len(conversation(srv, cid)["items"]) >= seen       # reloaded whole
+            provider.script = [tool_call("list_files")] * 40 + ["end"]
+            api(srv, "POST", f"/api/conversations/{cid}/messages", {"text": "list, forever"})
+            want = seen + kill_at
+            wait_for(lambda s=srv, c=cid, n=want: len(conversation(s, c)["items"]) >= n, 60,
+                     "the run to get going")
+        finally:
+            srv.proc.kill()
+            srv.stop()
+        stored = json.loads((data / "agent" / "conversations" / f"{cid}.json").read_text())
+        assert stored["id"] == cid and all(isinstance(i["id"], str) for i in stored["items"])
+        assert len(stored["items"]) >= seen + kill_at - 4      # at most a round behind
+        seen = len(stored["items"])
+    srv = start_server(data, wait_ready=False)
+    try:
+        conv = conversation(srv, cid)
+        assert len(conv["items"]) == seen and conv["state"] == "idle"
+        assert not list((data / "agent" / "conversations").glob(".*"))   # no temporaries
+    finally:
+        srv.stop()
+
+
+async def test_a_message_while_the_server_stops_is_503(tmp_path: Path) -> None:
+    from bmoe.agent.service import AgentService
+    from bmoe.http.errors import HTTPError
+    from bmoe.server.events import EventBus
+
+    class State:
+        bus = EventBus()
+        stopping = True
+
+    svc = AgentService(State(), tmp_path)
+    conv = await svc.create("t", "ask", None, "local")
+    with pytest.raises(HTTPError) as e:
+        await svc.post_message(conv, "hi")
+    assert (e.value.status, e.value.code) == (503, "stopping")

@@ -234,7 +234,7 @@ class Run:
         self.svc.item_changed(self.conv, item)
 
     async def approval(self, item: cv.Item) -> tuple[str, str]:
-        event, answer = trio.Event(), {}
+        event, answer = trio.Event(), dict[str, Any]()
         self.waiting[item["id"]] = (event, answer)
         item["state"] = "waiting"
         self.svc.item_changed(self.conv, item)

@@ -93,7 +93,7 @@ class ProviderStore:
     def _write_key(self, pid: str, key: str | None) -> None:
         raw = store.read_json(self.cred_path, {})
         raw = raw if isinstance(raw, dict) else {}
-        prov = raw.get("providers") if isinstance(raw.get("providers"), dict) else {}
+        prov: dict[str, str] = raw["providers"] if isinstance(raw.get("providers"), dict) else {}
         if key:
             prov[pid] = key
         else:
@@ -274,7 +274,8 @@ async def _anthropic_round(entry: dict[str, Any], key: str, system: str | None,
     block_call: dict[int, Call] = {}
     async with client:
         async with client.messages.stream(model=entry["model"], max_tokens=PROVIDER_MAX_TOKENS,
-                                          messages=anthropic_messages(messages), **kw) as stream:
+                                          messages=anthropic_messages(messages),  # type: ignore[arg-type]
+                                          **kw) as stream:
             async for ev in stream:
                 if ev.type == "content_block_start" and ev.content_block.type == "tool_use":
                     call = Call(ev.content_block.id, ev.content_block.name)
