@@ -48,3 +48,20 @@ def test_local_model_reads_edits_runs_and_answers(tmp_path: Path, tiny_moe: Path
             assert 0 < a["usage"]["prefilled"] < a["usage"]["prompt"] / 2, a["usage"]
     finally:
         srv.stop()
+
+
+def test_a_conversation_past_the_context_ends_on_a_notice(tmp_path: Path, tiny_moe: Path) -> None:
+    srv = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "512")
+    try:
+        status, conv = api(srv, "POST", "/api/conversations", {})
+        cid = conv["id"]
+        api(srv, "POST", f"/api/conversations/{cid}/messages", {"text": "word " * 3000})
+        conv = wait_idle(srv, cid)
+        notice = conv["items"][-1]
+        assert conv["state"] == "error" and notice["kind"] == "notice"
+        assert notice["code"] == "context_full" and "Context" in notice["text"], notice
+        assert "{" not in notice["text"]                      # placeholders rendered
+        status, _ = api(srv, "POST", f"/api/conversations/{cid}/messages", {"text": "again"})
+        assert status == 202                                   # an error does not lock it
+    finally:
+        srv.stop()
