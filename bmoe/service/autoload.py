@@ -39,7 +39,7 @@ class AutoloadState(ServerState):
 
     def wake(self) -> None:
         """A request needs the model: start loading the saved one unless one is there."""
-        if self.state == "loading" or (self.session is not None and self.state == "ready"):
+        if self.state in ("loading", "planning") or (self.session is not None and self.state == "ready"):
             return
         model: Any = self.config.values.get("model")
         if not model:
