@@ -695,8 +695,8 @@ def test_shutdown_from_loopback_stops_cleanly(tmp_path: Path) -> None:
         assert call(port, "POST", "/shutdown", body={},
                     headers=[("Origin", "http://evil.example")]).status == 403
         reply = call(port, "POST", "/shutdown", body={})
-        assert reply.status == 200 and reply.json() == {"status": "stopping"}
-        assert srv.proc.wait(30) == 0
+        assert reply.status == 200 and reply.json() == {"status": "stopping"}, reply
+        assert srv.proc.wait(60) == 0
     finally:
         srv.stop()
 
@@ -743,8 +743,10 @@ def test_server_starts_from_a_config_file(tmp_path: Path, tiny_moe: Path) -> Non
     srv = start_server(tmp_path / "data", "--config", str(cfg), "-c", "768")
     try:
         status, _, props = srv.request("GET", "/props")
-        assert status == 200 and props["default_generation_settings"]["n_ctx"] == 768
-        assert srv.request("GET", "/metrics")[0] == 200
+        assert status == 200, (props, srv.info())
+        assert props["default_generation_settings"]["n_ctx"] == 768, props
+        metrics = srv.request("GET", "/metrics")
+        assert metrics[0] == 200, metrics
     finally:
         srv.stop()
 
