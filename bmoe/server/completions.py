@@ -42,6 +42,7 @@ from .turnevents import Failed, Finished, Ping, RawTokens, Shape, Started, TurnE
 
 I32_MAX = 2**31 - 1
 PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)
+PROMPT_STRINGS_MAX = 4096        # strings among them: each is one tokenizer call
 STOP_WORDS_MAX = 16
 STOP_WORD_CHARS_MAX = 256
 
@@ -132,6 +133,9 @@ def read_prompt(value: Any, field: str = "prompt") -> list[str | int]:
                                       "request.")
             else:
                 raise invalid_request(f"`{field}[{i}]` must be a string or a token id.")
+        if sum(isinstance(p, str) for p in parts) > PROMPT_STRINGS_MAX:
+            raise invalid_request(f"`{field}` holds more than {PROMPT_STRINGS_MAX} strings; "
+                                  "join them.")
         if parts:
             return parts
     if value is None:
