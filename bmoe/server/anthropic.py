@@ -207,16 +207,9 @@ def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
         if kind not in (None, "custom"):
             raise invalid_request(f"`tools[{i}]` is a server tool ({kind!r}); nothing here runs "
                                   "it. Send client tools only.")
-        name = field(tool, "name", str, where=f"tools[{i}]")
-        if not name:
-            raise invalid_request(f"`tools[{i}].name` is required.")
-        description = field(tool, "description", str, "", where=f"tools[{i}]")
-        params = chatreq.schema_object(tool.get("input_schema"), f"tools[{i}].input_schema")
-        if field(tool, "defer_loading", bool, False, where=f"tools[{i}]"):
-            continue
-        out.append({"type": "function", "function": {
-            "name": name, "description": description,
-            "parameters": params or {"type": "object", "properties": {}}}})
+        described = chatreq.function_tool(tool, f"tools[{i}]", "input_schema")
+        if not field(tool, "defer_loading", bool, False, where=f"tools[{i}]"):
+            out.append(described)
     return out or None
 
 

@@ -125,6 +125,22 @@ def response_format_schema(response_format: Any, top_level: Any) -> dict[str, An
                           "\"text\", \"json_object\" or \"json_schema\".")
 
 
+def function_tool(tool: dict[str, Any], where: str, schema_key: str) -> dict[str, Any]:
+    """One tool as the template reads it: `{"type": "function", "function": {name,
+    description, parameters}}` from an object with `name`, `description` and a schema
+    under `schema_key` (each protocol names it its own way)."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid_request(f"`{where}.name` is required: a string.")
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid_request(f"`{where}.description` must be a string.")
+    params = schema_object(tool.get(schema_key), f"{where}.{schema_key}")
+    return {"type": "function", "function": {
+        "name": name, "description": description or "",
+        "parameters": params or {"type": "object", "properties": {}}}}
+
+
 def checked(req: TurnRequest, required_hint: str = "") -> TurnRequest:
     """`req`, unless its choices cannot hold together (400 invalid_request)."""
     problem = req.conflict()

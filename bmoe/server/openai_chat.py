@@ -124,14 +124,7 @@ def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
         fn = field(tool, "function", dict, where=f"tools[{i}]")
         if fn is None:
             raise invalid_request(f"`tools[{i}].function` is required.")
-        name = field(fn, "name", str, where=f"tools[{i}].function")
-        if not name:
-            raise invalid_request(f"`tools[{i}].function.name` is required.")
-        field(fn, "description", str, where=f"tools[{i}].function")
-        params = chatreq.schema_object(fn.get("parameters"), f"tools[{i}].function.parameters")
-        out.append({"type": "function", "function": {
-            "name": name, "description": fn.get("description") or "",
-            "parameters": params or {"type": "object", "properties": {}}}})
+        out.append(chatreq.function_tool(fn, f"tools[{i}].function", "parameters"))
     return out or None
 
 

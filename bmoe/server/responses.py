@@ -192,14 +192,7 @@ def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(object_list(raw, "tools")):
         if tool.get("type") != "function":
             continue
-        name = field(tool, "name", str, where=f"tools[{i}]")
-        if not name:
-            raise invalid_request(f"`tools[{i}].name` is required.")
-        description = field(tool, "description", str, "", where=f"tools[{i}]")
-        params = chatreq.schema_object(tool.get("parameters"), f"tools[{i}].parameters")
-        out.append({"type": "function", "function": {
-            "name": name, "description": description,
-            "parameters": params or {"type": "object", "properties": {}}}})
+        out.append(chatreq.function_tool(tool, f"tools[{i}]", "parameters"))
     return out or None
 
 
