@@ -274,3 +274,37 @@ def test_blank_lines_are_ignored(line: bytes) -> None:
 
 def test_csv_header_is_the_contracts() -> None:
     assert cli.CSV_HEADER == ",".join(CSV_COLUMNS)
+
+
+# --- output constraints ------------------------------------------------------------------------
+
+def test_grammar_file_constrains_the_answer(tiny_moe: Path, tmp_path: Path) -> None:
+    gbnf = tmp_path / "yesno.gbnf"
+    gbnf.write_text('root ::= "yes" | "no"\n')
+    done = run_cli("-m", str(tiny_moe), "-p", "Is the sea blue?", "-n", "16", "--no-think",
+                   "-t", "1", "-c", "1024", "--grammar", str(gbnf))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in ("yes", "no")
+
+
+def test_json_schema_file_constrains_the_answer(tiny_moe: Path, tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                  "required": ["ok"], "additionalProperties": False}))
+    done = run_cli("-m", str(tiny_moe), "-p", "Answer in JSON.", "-n", "64", "--no-think",
+                   "-t", "1", "-c", "1024", "--json-schema", str(schema))
+    assert done.returncode == 0, done.stderr
+    answer = done.stdout.strip()
+    if answer.endswith("}"):                  # completed within the budget: it parses
+        assert isinstance(json.loads(answer)["ok"], bool)
+    else:
+        assert answer.startswith("{")
+
+
+def test_constraint_flags_refuse_what_they_cannot_read(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    done = run_cli("-m", "x.gguf", "-p", "hi", "--json-schema", str(bad))
+    assert done.returncode == 2 and "JSON object schema" in done.stderr
+    done = run_cli("-m", "x.gguf", "-p", "hi", "--grammar", str(tmp_path / "missing.gbnf"))
+    assert done.returncode == 2 and "cannot read" in done.stderr
