@@ -42,7 +42,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from .errors import HTTPError
-from .routes import Pattern, path_segments
+from .routes import Pattern, RouteTable, path_segments
 from .types import Request
 
 
@@ -56,7 +56,12 @@ class AccessPolicy:
 
 def local_only_routes() -> list[tuple[str, str]]:
     """Routes answered only to a peer on loopback: they install software, read the
-    network for the person, or reach this computer's files, processes or secrets."""
+    network for the person, or reach this computer's files, processes or secrets.
+
+    A route says so where it is registered (``RouteTable.add(..., local_only=True)``);
+    this list holds the spec's local-only routes until their code registers them, so a
+    route built later cannot open before its flag: an entry goes once its route is
+    registered with the flag."""
     return [
         # Models, backends, updates.
         ("DELETE", "/api/models/local/{name}"),
@@ -115,16 +120,19 @@ def is_api_path(path: str) -> bool:
                for p in ("/api", "/v1", *llama_server_paths()))
 
 
-def is_local_only(method: str, request: Request) -> bool:
-    """Whether (method, path) is on the local-only list, matched loosely on both the
+def is_local_only(method: str, request: Request, routes: RouteTable | None = None) -> bool:
+    """Whether (method, path) is a local-only route (registered with ``local_only=True``
+    in ``routes``, or on the list of the ones not built yet), matched loosely on both the
     raw and the decoded segmentation, so no spelling of a path slips past it."""
     method = "GET" if method == "HEAD" else method
     views = [path_segments(request.raw_path), request.path[1:].split("/")]
-    return any(m == method and p.match_loosely(v) for m, p in _LOCAL_ONLY for v in views)
+    patterns = _LOCAL_ONLY + (routes.local_only_patterns() if routes is not None else [])
+    return any(m == method and p.match_loosely(v) for m, p in patterns for v in views)
 
 
-def check_access(request: Request, policy: AccessPolicy) -> None:
-    """Raise the first refusal that applies to ``request`` (see the module docstring)."""
+def check_access(request: Request, policy: AccessPolicy, routes: RouteTable | None = None) -> None:
+    """Raise the first refusal that applies to ``request`` (see the module docstring);
+    ``routes`` says which routes were registered local-only."""
     _check_host(request, policy)
     if not is_api_path(request.path):
         return
@@ -132,7 +140,7 @@ def check_access(request: Request, policy: AccessPolicy) -> None:
         _check_key(request, policy)
     _check_origin(request, policy)
     _check_content_type(request)
-    if not request.peer_is_loopback and is_local_only(request.method, request):
+    if not request.peer_is_loopback and is_local_only(request.method, request, routes):
         raise HTTPError(403, "local_only", "This route answers a client on this machine only.")
 
 

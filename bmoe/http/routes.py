@@ -120,6 +120,7 @@ class Route:
     body_limit: int = limits.BODY_LIMIT_BYTES
     limiter: trio.CapacityLimiter | None = None
     limiter_error: HTTPError | None = None
+    local_only: bool = False      # answered to a loopback peer only (403 local_only)
 
 
 @dataclass
@@ -162,12 +163,20 @@ class RouteTable:
         body_limit: int = limits.BODY_LIMIT_BYTES,
         limiter: trio.CapacityLimiter | None = None,
         limiter_error: HTTPError | None = None,
+        local_only: bool = False,
     ) -> None:
+        """Register a route. ``local_only``: the access checks refuse it (403) to a peer
+        that is not on loopback, whatever the key."""
         method = method.upper()
         parsed = Pattern.parse(pattern)
         if any(r.method == method and r.pattern.text == pattern for r in self._routes):
             raise ValueError(f"route registered twice: {method} {pattern}")
-        self._routes.append(Route(method, parsed, handler, body_limit, limiter, limiter_error))
+        self._routes.append(Route(method, parsed, handler, body_limit, limiter, limiter_error,
+                                  local_only))
+
+    def local_only_patterns(self) -> list[tuple[str, Pattern]]:
+        """(method, pattern) of every route registered ``local_only``."""
+        return [(r.method, r.pattern) for r in self._routes if r.local_only]
 
     def __iter__(self) -> Iterator[Route]:
         return iter(self._routes)

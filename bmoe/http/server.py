@@ -69,7 +69,7 @@ class HttpApp:
 
     def dispatch(self, request: Request) -> Dispatch:
         """Access checks, then the route (or a static file); HTTPError if refused."""
-        check_access(request, self.policy)
+        check_access(request, self.policy, self.routes)
         try:
             found = self.routes.match(request.method, request.raw_path)
         except HTTPError as err:
