@@ -39,6 +39,7 @@ TIMEOUT_S = 600.0               # a ~20k-token prompt prefilled on one thread, p
 MESSAGES, COUNT, RESPONSES, CHAT = ("/v1/messages", "/v1/messages/count_tokens",
                                     "/v1/responses", "/v1/chat/completions")
 ROUTES = (MESSAGES, RESPONSES, CHAT)
+BILLING_HEADER = "x-anthropic-billing-header:"
 SHORT = {MESSAGES: "messages", RESPONSES: "responses", CHAT: "chat", COUNT: "count_tokens"}
 
 
@@ -82,9 +83,10 @@ def _tool(name: str, description: str | None, schema: Any) -> dict[str, Any]:
 
 def system_of(fixture: dict[str, Any]) -> str:
     body, route = fixture["body"], fixture["route"]
-    if route == MESSAGES:
+    if route == MESSAGES:      # Claude Code's per-request billing header left out, as the server does
         system = body.get("system") or ""
-        return system if isinstance(system, str) else "\n\n".join(b.get("text", "") for b in system)
+        blocks = [system] if isinstance(system, str) else [b.get("text", "") for b in system]
+        return "\n\n".join(b for b in blocks if not b.startswith(BILLING_HEADER))
     if route == CHAT:
         return "\n\n".join(m["content"] if isinstance(m["content"], str) else
                            "\n\n".join(p.get("text", "") for p in m["content"])
