@@ -22,9 +22,12 @@ import queue
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, TypeVar
+
+from pydantic import StrictBool, StrictInt, StrictStr, ValidationError
 
 from .engine import params
+from .server.wire import Wire, first_problem
 
 MIB = 1 << 20
 CSV_HEADER = "step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms"
@@ -276,14 +279,30 @@ class RequestError(ValueError):
         self.req_id = req_id
 
 
-def _opt(obj: dict[str, Any], key: str, kind: type, default: Any, req_id: int) -> Any:
-    value = obj.get(key, default)
-    if value is None:
-        return default
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise RequestError(f"`{key}` must be {kind.__name__}", req_id)
-    return value
+class _GenerateLine(Wire):
+    prompt: StrictStr
+    n_predict: StrictInt | None = None
+    think: StrictBool | None = None
+    clear_kv: StrictBool | None = None
+
+
+class _DecideLine(Wire):
+    choices: list[StrictStr]
+    prefix: StrictStr | None = None
+    suffix: StrictStr | None = None
+    reuse_prefix: StrictBool | None = None
+
+
+W = TypeVar("W", bound=Wire)
+
+
+def _checked(model: type[W], obj: dict[str, Any], req_id: int) -> W:
+    """A request line against its wire model; RequestError naming the field otherwise."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise RequestError(first_problem(e.errors(include_url=False, include_input=False)),
+                           req_id) from None
 
 
 def parse_request(line: bytes, values: dict[str, Any]) -> dict[str, Any]:
@@ -310,26 +329,22 @@ def parse_request(line: bytes, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _generate_request(obj: dict[str, Any], req_id: int, values: dict[str, Any]) -> dict[str, Any]:
-    prompt = obj.get("prompt")
-    if not isinstance(prompt, str):
-        raise RequestError("`prompt` must be a string", req_id)
-    n_predict = _opt(obj, "n_predict", int, int(values.get("n-predict") or 0), req_id)
+    line = _checked(_GenerateLine, obj, req_id)
+    n_predict = int(values.get("n-predict") or 0) if line.n_predict is None else line.n_predict
     try:
         params.parse_value(params.param("n-predict"), n_predict)
     except ValueError as e:
         raise RequestError(params.render(str(e), "flag"), req_id) from None
-    return {"cmd": "generate", "id": req_id, "prompt": prompt, "n_predict": n_predict,
-            "think": _opt(obj, "think", bool, bool(values.get("think", True)), req_id),
-            "clear_kv": _opt(obj, "clear_kv", bool, True, req_id)}
+    return {"cmd": "generate", "id": req_id, "prompt": line.prompt, "n_predict": n_predict,
+            "think": bool(values.get("think", True)) if line.think is None else line.think,
+            "clear_kv": True if line.clear_kv is None else line.clear_kv}
 
 
 def _decide_request(obj: dict[str, Any], req_id: int) -> dict[str, Any]:
-    choices = obj.get("choices")
-    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-        raise RequestError("`choices` must be an array of strings", req_id)
-    return {"cmd": "decide", "id": req_id, "prefix": _opt(obj, "prefix", str, "", req_id),
-            "suffix": _opt(obj, "suffix", str, "", req_id), "choices": choices,
-            "reuse_prefix": _opt(obj, "reuse_prefix", bool, True, req_id)}
+    line = _checked(_DecideLine, obj, req_id)
+    return {"cmd": "decide", "id": req_id, "prefix": line.prefix or "",
+            "suffix": line.suffix or "", "choices": list(line.choices),
+            "reuse_prefix": True if line.reuse_prefix is None else line.reuse_prefix}
 
 
 class InFlight:
