@@ -32,24 +32,26 @@ def test_the_agent_screen(browser: Any, agent_ui_server: ServerProcess, provider
     w = srv.request("POST", "/api/workspaces", {"path": str(ws)})[2]
     srv.request("PUT", "/api/providers/scripted", {"kind": "openai", "base_url": provider.url + "/v1",
                                                    "model": "m", "api_key": "sk-ui"})
-    conv = srv.request("POST", "/api/conversations", {"title": "Build a page", "mode": "ask",
-                                                      "workspace": w["id"], "route": "scripted"})[2]
     provider.script = [tool_call("write_file", path="index.html", content=PAGE),
                        "I wrote **index.html**: open the preview.",
                        tool_call("exec_shell_command", command="sleep 60")]
     page = open_page(browser, srv.url)
     try:
-        _drive(page, conv["id"], ws)
+        _drive(page, w["id"], ws)
     finally:
         page.page.context.close()
 
 
-def _drive(w: Watched, cid: str, ws: Path) -> None:
+def _drive(w: Watched, wid: str, ws: Path) -> None:
     p = w.page
     p.click(".tab[data-view=agent]")
     w.wait("() => document.querySelector('#conn')?.dataset.state === 'live'", "the event stream")
-    w.wait(f"() => document.querySelector('.agent-conv[data-id={cid}]')", "the conversation listed")
-    p.click(f".agent-conv[data-id={cid}]")
+    w.wait("() => document.querySelector('#agent-route option[value=scripted]')", "the provider")
+    p.select_option("select[aria-label=Workspace]", wid)
+    p.select_option("select[aria-label='Access mode']", "ask")
+    p.select_option("#agent-route", "scripted")
+    p.click("#agent-new")
+    w.wait("() => document.querySelector('.agent-conv.current')", "the new conversation, open")
     p.fill("#agent-prompt", "Make me a page.")
     p.click("#agent-send")
     w.wait("() => document.querySelector('.agent-approval')", "the approval card")

@@ -31,6 +31,8 @@ from .service import AgentService, busy, folder_of, not_found
 
 Handler = Callable[[AgentService, Request], Awaitable[Response]]
 TEXT_MAX_CHARS = 1_000_000        # a message's text
+OTHER_AGENTS = [("claude-code", "Claude Code", "claude"), ("codex", "Codex CLI", "codex"),
+                ("opencode", "opencode", "opencode")]   # listed with whether installed
 
 
 class NewConversation(wire.Wire):
@@ -111,10 +113,12 @@ def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
 
 async def get_agent(svc: AgentService, request: Request) -> Response:
     has_tools = not svc.chat_only
-    return Response.json({
-        "tools": has_tools, "commands": has_tools and shutil.which("sh") is not None,
-        "agents": [{"id": "bmoe", "name": "bmoe's agent", "builtin": True, "installed": True}],
-        "mcp": []})
+    agents = [{"id": "bmoe", "name": "bmoe's agent", "builtin": True, "installed": True}]
+    agents += [{"id": aid, "name": name, "builtin": False, "program": prog,
+                "installed": shutil.which(prog) is not None} for aid, name, prog in OTHER_AGENTS]
+    return Response.json({"tools": has_tools,
+                          "commands": has_tools and shutil.which("sh") is not None,
+                          "agents": agents, "mcp": []})
 
 
 # -- conversations ------------------------------------------------------------------------

@@ -40,9 +40,16 @@ export class AgentView {
       h('div', { class: 'agent-add-folder' }, this.folderInput,
         h('button', { type: 'button', text: 'Add folder', on: { click: () => this.addFolder() } })),
       h('label', { class: 'field-label', text: 'Access' }), this.modeSelect);
+    this.routeSelect = h('select', { 'aria-label': 'Model', id: 'agent-route' });
+    this.providerList = h('ul', { class: 'agent-providers' });
+    this.providerForm = this.buildProviderForm();
+    this.routeBox = h('div', { class: 'agent-ws' },
+      h('label', { class: 'field-label', text: 'Model' }), this.routeSelect,
+      h('details', { class: 'agent-provider-box' }, h('summary', { text: 'Remote models' }),
+        this.providerList, this.providerForm));
     const side = h('aside', { class: 'agent-side' },
       h('button', { type: 'button', class: 'primary', id: 'agent-new', text: 'New conversation', on: { click: () => this.create() } }),
-      this.wsBox, this.newError, this.listEl);
+      this.wsBox, this.routeBox, this.newError, this.listEl);
     this.titleEl = h('h2', { class: 'agent-title', text: 'No conversation open' });
     this.metaEl = h('div', { class: 'agent-meta' });
     this.stopButton = h('button', { type: 'button', class: 'danger', id: 'agent-stop', text: 'Stop', hidden: true, on: { click: () => this.stop() } });
@@ -74,7 +81,7 @@ export class AgentView {
       this.caps = { tools: false };
     }
     this.wsBox.hidden = !this.caps.tools;
-    await Promise.all([this.loadList(), this.loadWorkspaces()]);
+    await Promise.all([this.loadList(), this.loadWorkspaces(), this.loadProviders()]);
   }
 
   /** After the event stream reconnects: the list and the open conversation, whole. */
@@ -106,6 +113,57 @@ export class AgentView {
     if (this.workspaces.some((w) => w.id === current)) this.wsSelect.value = current;
   }
 
+  buildProviderForm() {
+    const f = {
+      id: h('input', { type: 'text', placeholder: 'name, e.g. openai', 'aria-label': 'Provider name', spellcheck: 'false' }),
+      kind: h('select', { 'aria-label': 'Provider kind' }, h('option', { value: 'openai', text: 'OpenAI-compatible' }), h('option', { value: 'anthropic', text: 'Anthropic Messages' })),
+      url: h('input', { type: 'text', placeholder: 'https://api.example.com/v1', 'aria-label': 'Base URL', spellcheck: 'false' }),
+      model: h('input', { type: 'text', placeholder: 'model name', 'aria-label': 'Model name', spellcheck: 'false' }),
+      key: h('input', { type: 'password', placeholder: 'API key (kept on this machine)', 'aria-label': 'API key', autocomplete: 'off' }),
+    };
+    const save = async () => {
+      const body = { kind: f.kind.value, base_url: f.url.value.trim(), model: f.model.value.trim() };
+      if (f.key.value) body.api_key = f.key.value;
+      try {
+        await this.api.json('PUT', `/api/providers/${encodeURIComponent(f.id.value.trim())}`, body);
+        f.key.value = '';
+        this.newError.hidden = true;
+        await this.loadProviders();
+      } catch (e) {
+        this.newError.textContent = e.message;
+        this.newError.hidden = false;
+      }
+    };
+    return h('div', { class: 'agent-provider-form' }, f.id, f.kind, f.url, f.model, f.key,
+      h('button', { type: 'button', text: 'Save remote model', on: { click: save } }));
+  }
+
+  async loadProviders() {
+    let providers = [];
+    try {
+      providers = (await this.api.get('/api/providers')).providers;
+    } catch {
+      providers = []; // not on this machine
+    }
+    const current = this.routeSelect.value;
+    fill(this.routeSelect, h('option', { value: 'local', text: 'The local model' }),
+      providers.map((p) => h('option', { value: p.id, text: `${p.id} (${p.model})` })));
+    if (providers.some((p) => p.id === current)) this.routeSelect.value = current;
+    fill(this.providerList, providers.map((p) => h('li', {},
+      h('span', { text: `${p.id}: ${p.kind}, ${p.model}${p.has_key ? ', key saved' : ''}` }),
+      h('button', { type: 'button', class: 'link-button', text: 'Remove', on: { click: () => this.removeProvider(p.id) } }))));
+  }
+
+  async removeProvider(id) {
+    try {
+      await this.api.json('DELETE', `/api/providers/${encodeURIComponent(id)}`, {});
+      await this.loadProviders();
+    } catch (e) {
+      this.newError.textContent = e.message;
+      this.newError.hidden = false;
+    }
+  }
+
   async addFolder() {
     const path = this.folderInput.value.trim();
     if (!path) return;
@@ -124,6 +182,7 @@ export class AgentView {
   async create() {
     const body = { mode: this.modeSelect.value };
     if (this.wsSelect.value) body.workspace = this.wsSelect.value;
+    if (this.routeSelect.value && this.routeSelect.value !== 'local') body.route = this.routeSelect.value;
     try {
       const conv = await this.api.json('POST', '/api/conversations', body);
       this.newError.hidden = true;
@@ -216,6 +275,7 @@ export class AgentView {
     }
     const ws = conv.workspace ? conv.workspace.path : 'no folder';
     fill(this.metaEl, h('span', { class: 'agent-badge', text: MODE_TEXT[conv.mode] || conv.mode }),
+      conv.route && conv.route !== 'local' ? h('span', { class: 'agent-badge', text: conv.route }) : null,
       h('span', { class: 'agent-ws-path', text: ws }),
       h('span', { class: `agent-badge state-${conv.state}`, id: 'agent-state', text: conv.state }));
   }
