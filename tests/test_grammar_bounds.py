@@ -220,6 +220,27 @@ def test_guard_refusals_are_sentences(text: Any, reason: str) -> None:
     assert "Error(" not in str(info.value) and "Traceback" not in str(info.value)
 
 
+@pytest.mark.parametrize("text,ok", [
+    ('root ::= ("a"?){0,32}', True),
+    ('root ::= ("a"?){0,33}', False),
+    ('root ::= ("a"?){200}', False),            # 200 optional items in a row
+    ('root ::= ("a"?)*', True),                 # unbounded: llama.cpp handles it at once
+    ('root ::= x{0,64}\nx ::= "b"?', False),    # through a rule
+    ('root ::= "a"{0,500}', True),              # a long chain of non-empty items is fine
+    ('root ::= ("a" space){0,400}\nspace ::= " "?', True),
+])
+def test_guard_nullable_runs(child: GrammarChild, text: str, ok: bool) -> None:
+    """A long run of items that may match nothing makes llama.cpp's parser explore every
+    way to skip them (a run of 500 did not finish in 20 s): refused; short runs build."""
+    if not ok:
+        with pytest.raises(GrammarRefused, match="may each match nothing"):
+            check_grammar(text)
+        return
+    check_grammar(text)
+    r = child.compile(text, steps=3)
+    assert r.built and r.ms < 2000, r
+
+
 def test_guard_size_limit() -> None:
     with pytest.raises(GrammarRefused, match="bytes; the limit"):
         check_grammar('root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"')
@@ -370,6 +391,60 @@ def _gbnf_texts(draw: st.DrawFn) -> str:
         body = "".join(draw(st.lists(_GBNF_ATOMS, min_size=1, max_size=12)))
         rules.append(f"{name} ::= {body}")
     return "\n".join(rules) + draw(st.sampled_from(["", "\n"]))
+
+
+_RULE_NAMES = ["root", "x", "y", "r-1", "n0"]
+
+
+@st.composite
+def _valid_gbnf(draw: st.DrawFn) -> str:
+    """Well-formed GBNF (every rule used is defined) with big counts, deep groups and
+    token references, so most examples reach llama.cpp itself."""
+    terminals = st.one_of(
+        st.sampled_from(['"a"', '"\\n"', '"\\x41"', '"\\u00e9"', '[a-z]', '[^"\\\\]', '.',
+                         '"<tool_call>"', '<think>', '!<think>', '"é👍"', '[\\u0100-\\uFFFF]']),
+        st.builds(lambda n: f"<[{n}]>", st.integers(0, 560)),
+        st.builds(lambda n: '"' + "ab" * n + '"', st.integers(1, 400)),
+        st.sampled_from(_RULE_NAMES))
+
+    def quantified(item: str) -> str:
+        kind = draw(st.integers(0, 9))
+        if kind < 6:                       # mostly the plain operators
+            return item + ["", "", "*", "+", "?", ""][kind]
+        lo = draw(st.integers(0, 6) if kind < 9 else
+                  st.sampled_from([0, 1, 499, 500, 2000, 2001, 60000]))
+        hi = draw(st.integers(lo, lo + 6) if kind < 9 else st.sampled_from([500, 2000, 50000]))
+        return item + draw(st.sampled_from([f"{{{lo}}}", f"{{{lo},}}", f"{{{lo},{hi}}}"]))
+
+    def sequence(depth: int) -> str:
+        items = []
+        for _ in range(draw(st.integers(1, 3))):
+            if depth < 2 and draw(st.integers(0, 3)) == 0:
+                alts = " | ".join(sequence(depth + 1) for _ in range(draw(st.integers(1, 3))))
+                items.append(quantified(f"( {alts} )"))
+            else:
+                items.append(quantified(draw(terminals)))
+        return " ".join(items)
+
+    nest = draw(st.sampled_from([0] * 12 + [10, 500, 2500, 2501, 20000]))
+    rules = {name: sequence(0) for name in _RULE_NAMES}
+    rules["root"] = "(" * nest + rules["root"] + ")" * nest
+    return "\n".join(f"{name} ::= {body}" for name, body in rules.items()) + "\n"
+
+
+@_FUZZ
+@given(text=_valid_gbnf(), lazy=st.booleans())
+def test_fuzz_wellformed_gbnf_never_crashes(child: GrammarChild, text: str, lazy: bool) -> None:
+    try:
+        check_grammar(text, n_vocab=child.n_vocab)
+    except GrammarRefused as e:
+        _clean_refusal(e)
+        event("refused by the guard")
+        return
+    r = child.compile(text, triggers=[child.call_open] if lazy else None, steps=3)
+    event("built by llama.cpp" if r.built else "refused by llama.cpp")
+    assert not r.crashed, f"llama.cpp crashed (exit {r.returncode}) on:\n{text[:3000]}"
+    assert not r.timed_out, f"llama.cpp hung on:\n{text[:3000]}"
 
 
 @_FUZZ

@@ -17,7 +17,12 @@ explicit stack, and refused with a sentence when it is over a limit:
 - the rules llama.cpp will hold after expanding groups and repetitions
   (``MAX_RULES``) and their total length in elements (``MAX_ELEMENTS``);
 - a repetition count above llama.cpp's own threshold (2000, refused there too);
-- token references ``<[id]>`` outside the vocabulary.
+- token references ``<[id]>`` outside the vocabulary;
+- a long run of items that may each match nothing (``("a"?){0,500}``, or 200 optional
+  items in a row): llama.cpp's parser follows every way of skipping them, which grows
+  steeply (measured: a run of 32 takes 64 ms to build, 64 takes 0.5 s, 200 takes 8.5 s,
+  500 did not finish in 20 s) and would hold the engine thread, which no cancel reaches
+  inside llama.cpp (``MAX_NULLABLE_RUN``).
 
 A grammar that passes may still be one llama.cpp refuses (an undefined rule, left
 recursion): that is a clean refusal from llama.cpp, which this module also predicts
@@ -26,7 +31,12 @@ where it cheaply can (undefined rules, a missing ``root``) so the message says w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Union
+
+# A symbol, for the nullable analysis: ("t",) a terminal, ("e",) the empty literal,
+# ("r", name) a rule, ("g", "#k") a group, ("rep", atom, low, high) a repetition.
+Atom = tuple[Union[str, int, None, "Atom"], ...]
 
 # Limits, each with a wide margin under what crashed or stalled llama.cpp when measured
 # (bench/grammar_limits.py prints the measurements; docs/grammar-limits.md has them).
@@ -34,6 +44,7 @@ MAX_GRAMMAR_BYTES = 4 * 1024 * 1024     # bytes of GBNF text
 MAX_NESTING = 2_500                     # groups inside groups
 MAX_RULES = 40_000                      # rules after llama.cpp's expansion
 MAX_ELEMENTS = 4_000_000                # grammar elements after expansion
+MAX_NULLABLE_RUN = 32                   # consecutive items that may match nothing
 LLAMA_REPETITION_THRESHOLD = 2_000      # llama.cpp's MAX_REPETITION_THRESHOLD
 
 
@@ -87,6 +98,8 @@ class _Seq:
     last_rules: int = 1      # rules that symbol stands for (llama.cpp's n_prev_rules)
     rules_before: int = 0    # rule count when the enclosing group opened
     alternates: int = 0      # elements of the finished alternates of this group
+    atoms: list[Atom] = field(default_factory=list)        # this alternative's symbols
+    alts: list[list[Atom]] = field(default_factory=list)   # the finished alternatives
 
 
 class _Reader:
@@ -98,6 +111,7 @@ class _Reader:
         self.max_nesting = 0
         self.defined: set[str] = set()
         self.referenced: dict[str, int] = {}
+        self.defs: dict[str, list[list[Atom]]] = {}   # rules and groups: alternatives
 
     # -- errors and small readers ------------------------------------------------
 
@@ -170,6 +184,7 @@ class _Reader:
         if missing:
             raise GrammarRefused(f"The grammar uses the rule {missing[0]!r} but never "
                                  "defines it.")
+        _check_nullable_runs(self.defs)
         return GrammarStats(0, self.rules, self.elements, self.max_nesting,
                             frozenset(self.defined))
 
@@ -182,7 +197,7 @@ class _Reader:
         self.space(True)
         self.defined.add(name)
         self.add_rule()
-        self.alternates()
+        self.defs[name] = self.alternates()
         if self.peek() == "\r":
             self.i += 2 if self.peek(1) == "\n" else 1
         elif self.peek() == "\n":
@@ -203,7 +218,7 @@ class _Reader:
             raise GrammarRefused(f"The grammar expands to more than {MAX_ELEMENTS:,} "
                                  "elements; lower its repetition counts.")
 
-    def alternates(self) -> None:
+    def alternates(self) -> list[list[Atom]]:
         """A rule's body: sequences separated by '|', groups read with an explicit stack."""
         stack: list[_Seq] = [_Seq(rules_before=self.rules)]
         while True:
@@ -224,11 +239,14 @@ class _Reader:
                 seq.alternates += seq.elements + 1
                 self.add_elements(seq.elements + 1)
                 seq.elements, seq.last, seq.last_rules = 0, 0, 1
+                seq.alts.append(seq.atoms)
+                seq.atoms = []
                 self.space(True)
                 continue
             self.add_elements(seq.elements + 1)
+            seq.alts.append(seq.atoms)
             if not nested:
-                return
+                return seq.alts
             if self.peek() != ")":
                 raise self.fail("expected ')'")
             self.i += 1
@@ -237,6 +255,9 @@ class _Reader:
             parent.elements += 1
             parent.last = 1
             parent.last_rules = max(1, self.rules - seq.rules_before)
+            group = f"#{len(self.defs)}"
+            self.defs[group] = seq.alts
+            parent.atoms.append(("g", group))
             self.space(len(stack) > 1)
             self.repetitions(parent, len(stack) > 1)
 
@@ -251,7 +272,7 @@ class _Reader:
                     self.char()
                     count += 1
                 self.i += 1
-                self.symbol(seq, count)
+                self.symbol(seq, count, ("t",) if count else ("e",))
             elif c == "[":
                 self.i += 1
                 if self.peek() == "^":
@@ -267,20 +288,20 @@ class _Reader:
                         self.char()
                         count += 1
                 self.i += 1
-                self.symbol(seq, max(count, 1))
+                self.symbol(seq, max(count, 1), ("t",))
             elif c in "<!":
                 self.token()
-                self.symbol(seq, 1)
+                self.symbol(seq, 1, ("t",))
             elif c in _WORD:
                 ref = self.name()
                 self.referenced.setdefault(ref, self.i)
-                self.symbol(seq, 1)
+                self.symbol(seq, 1, ("r", ref))
             elif c == "(":
                 self.i += 1
                 return True
             elif c == ".":
                 self.i += 1
-                self.symbol(seq, 1)
+                self.symbol(seq, 1, ("t",))
             elif c in "*+?{":
                 self.repetitions(seq, nested)
                 continue
@@ -290,7 +311,8 @@ class _Reader:
             self.repetitions(seq, nested)
         return False
 
-    def symbol(self, seq: _Seq, elements: int) -> None:
+    def symbol(self, seq: _Seq, elements: int, atom: Atom) -> None:
+        seq.atoms.append(atom)
         seq.elements += elements
         seq.last = elements
         seq.last_rules = 1
@@ -376,3 +398,127 @@ class _Reader:
         seq.elements += grown - prev
         seq.last = grown
         seq.last_rules *= total
+        if grown == 0:
+            seq.atoms.pop()
+        else:
+            seq.atoms[-1] = ("rep", seq.atoms[-1], low, high)
+
+
+# ---------------------------------------------------------------------------
+# Runs of items that may match nothing
+
+
+def _check_nullable_runs(defs: dict[str, list[list[Atom]]]) -> None:
+    nullable = _nullable(defs)
+    widths: dict[str, int] = {}
+    for name in defs:
+        if _run_width(name, defs, nullable, widths) > MAX_NULLABLE_RUN:
+            raise GrammarRefused(
+                "The grammar has a run of more than "
+                f"{MAX_NULLABLE_RUN} items in a row that may each match nothing (such as "
+                '("a"?){0,500}); llama.cpp would spend minutes trying every way to skip '
+                "them. Make the repeated item non-empty or the count smaller.")
+
+
+def _target(atom: Atom) -> Atom | None:
+    """What decides whether ``atom`` can be empty: ("t",) never, ("e",) always, or a def."""
+    while atom[0] == "rep":
+        if atom[2] == 0:
+            return ("e",)
+        atom = atom[1]  # type: ignore[assignment]
+    return atom
+
+
+def _nullable(defs: dict[str, list[list[Atom]]]) -> set[str]:
+    """Defs that can match the empty text: a worklist over the alternatives (linear)."""
+    waiting: dict[str, list[tuple[str, int]]] = {}
+    pending: dict[tuple[str, int], int] = {}
+    done: set[str] = set()
+    work: list[str] = []
+    for name, alts in defs.items():
+        for k, alt in enumerate(alts):
+            needs = []
+            for atom in alt:
+                t = _target(atom)
+                if t is None or t[0] == "t":
+                    break
+                if t[0] != "e":
+                    needs.append(str(t[1]))
+            else:
+                pending[(name, k)] = len(needs)
+                for dep in needs:
+                    waiting.setdefault(dep, []).append((name, k))
+                if not needs and name not in done:
+                    done.add(name)
+                    work.append(name)
+    while work:
+        for owner, k in waiting.get(work.pop(), ()):
+            pending[(owner, k)] -= 1
+            if pending[(owner, k)] == 0 and owner not in done:
+                done.add(owner)
+                work.append(owner)
+    return done
+
+
+_CAP = 1 << 30
+
+
+def _run_width(root: str, defs: dict[str, list[list[Atom]]], nullable: set[str],
+               widths: dict[str, int]) -> int:
+    """The longest run of consecutive possibly-empty items inside ``root`` (a possibly-
+    empty reference counts with the run inside it), without recursion: an explicit
+    post-order walk; a def met again while it is being measured counts as 1."""
+    if root in widths:
+        return widths[root]
+    on_path: set[str] = {root}
+    stack: list[str] = [root]
+    while stack:
+        name = stack[-1]
+        missing = [d for d in _deps(defs[name], nullable)
+                   if d not in widths and d not in on_path and d in defs]
+        if missing:
+            on_path.add(missing[0])
+            stack.append(missing[0])
+            continue
+        widths[name] = max((_alt_run(alt, nullable, widths) for alt in defs[name]), default=0)
+        on_path.discard(name)
+        stack.pop()
+    return widths[root]
+
+
+def _deps(alts: list[list[Atom]], nullable: set[str]) -> list[str]:
+    out = []
+    for alt in alts:
+        for atom in alt:
+            while atom[0] == "rep":
+                atom = atom[1]  # type: ignore[assignment]
+            if atom[0] in ("r", "g") and atom[1] in nullable:
+                out.append(str(atom[1]))
+    return out
+
+
+def _alt_run(alt: list[Atom], nullable: set[str], widths: dict[str, int]) -> int:
+    best = run = 0
+    for atom in alt:
+        w = _width(atom, nullable, widths)
+        run = run + w if w else 0
+        best = max(best, run)
+    return min(best, _CAP)
+
+
+def _width(atom: Atom, nullable: set[str], widths: dict[str, int]) -> int:
+    """0 for an item that cannot be empty; else how many empty-able steps it stands for."""
+    kind = atom[0]
+    if kind == "t":
+        return 0
+    if kind == "e":
+        return 1
+    if kind in ("r", "g"):
+        name = str(atom[1])
+        return max(1, widths.get(name, 1)) if name in nullable else 0
+    inner, low, high = atom[1], int(atom[2]), atom[3]  # type: ignore[arg-type]
+    w = _width(inner, nullable, widths)  # type: ignore[arg-type]
+    if w == 0:
+        return 1 if low == 0 else 0
+    count = low + (int(high) - low if high is not None else 1)  # type: ignore[arg-type]
+    return min(w * max(count, 1), _CAP)
