@@ -18,7 +18,8 @@ from ..http import access
 from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore
 from .events import EventBus
-from . import models_routes
+from . import llama_compat, models_routes, plan_routes
+from ..agent import api as agent_api
 from .routes import build_routes
 from .shapes import error_shaper
 from .state import ServerOptions, ServerState
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to FILE.1 at 16 MiB)")
     params.add_cli_flags(p, server=True)
     models_routes.add_flags(p)
+    plan_routes.add_flags(p)
+    llama_compat.add_flags(p)
+    agent_api.add_flags(p)
     return p
 
 
@@ -122,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["service"]:
         from ..service.cli import main as service_main
         return service_main(argv[1:])
+    argv, file_lines = llama_compat.config_argv(argv, build_parser())
+    argv, env_lines = llama_compat.env_argv(argv, dict(os.environ))
     args = build_parser().parse_args(argv)
+    for line in [*file_lines, *env_lines, *llama_compat.check_flags(args)]:
+        print(f"bmoe-server: {line}", file=sys.stderr)
     if args.log_file is not None:
         from ..service import logtee
         logtee.start(args.log_file.expanduser().absolute())
@@ -157,6 +165,9 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
     kind = AutoloadState if args.autoload else ServerState
     state = kind(options, config, bus, streamer_factory=streamer_factory)
     models_routes.attach(state, args)
+    plan_routes.attach(state, args)
+    llama_compat.attach(state, args)
+    agent_api.attach(state, args)
     routes = build_routes(state)
     if isinstance(state, AutoloadState):
         routes = with_autoload(routes, state)   # a request that finds no model loads it
@@ -169,6 +180,8 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
                 async with trio.open_nursery() as nursery:
                     state.attach(nursery)
                     await nursery.start(models_routes.run, state)
+                    await nursery.start(plan_routes.run, state)
+                    await nursery.start(agent_api.run, state)
                     await _start(nursery, state, app, policy, options, args)
         finally:
             with trio.CancelScope(shield=True):
