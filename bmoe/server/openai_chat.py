@@ -23,7 +23,6 @@ from .turnevents import (Failed, Finished, Ping, ReasoningDelta, Reset, Shape, S
                          TextDelta, ToolArgsDelta, ToolCallStart, TurnEvent, Waiting)
 from .validate import field, object_list
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # -- request ------------------------------------------------------------------
@@ -51,60 +50,37 @@ def _text_of_parts(parts: list[Any], where: str, images: ImageSet | None,
     return "".join(out)
 
 
-def _content(msg: dict[str, Any], where: str, images: ImageSet | None) -> str | None:
-    content = msg.get("content")
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return _text_of_parts(content, f"{where}.content", images, where)
-    raise invalid_request(f"`{where}.content` must be a string, an array of parts, or null.")
+def _arguments(raw: str | dict[str, Any]) -> Any:
+    """A call's arguments for the template: the object they encode, or the text as sent
+    (the template shows what the model wrote)."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return raw
 
 
-def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
-    calls = []
-    for j, call in enumerate(object_list(value, f"{where}.tool_calls")):
-        fn = field(call, "function", dict, where=f"{where}.tool_calls[{j}]")
-        if fn is None:
-            raise invalid_request(f"`{where}.tool_calls[{j}].function` is required.")
-        name = field(fn, "name", str, "", where=f"{where}.tool_calls[{j}].function")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                pass  # the template shows what the model wrote
-        elif not isinstance(args, dict):
-            raise invalid_request(f"`{where}.tool_calls[{j}].function.arguments` must be a string.")
-        cid = field(call, "id", str, "", where=f"{where}.tool_calls[{j}]")
-        calls.append({"id": cid, "type": "function",
-                      "function": {"name": name, "arguments": args}})
-    return calls
-
-
-def convert_messages(raw: Any) -> tuple[list[dict[str, Any]], ImageSet]:
+def convert_messages(messages: list[wire.ChatMessage]) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages and the images they carry (marked at their places)."""
-    messages = object_list(raw, "messages")
-    if not messages:
-        raise invalid_request("`messages` must hold at least one message.")
     out: list[dict[str, Any]] = []
     images = ImageSet()
     for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        role = field(msg, "role", str, where=where)
-        if role not in ROLES:
-            raise invalid_request(f"`{where}.role` must be one of {', '.join(ROLES)}.")
+        where, role, content = f"messages[{i}]", msg.role, msg.content
+        if isinstance(content, list):
+            content = _text_of_parts(content, f"{where}.content",
+                                     images if role == "user" else None, where)
         m: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                             "content": _content(msg, where, images if role == "user" else None)}
+                             "content": content or ""}
         if role == "assistant":
-            if msg.get("tool_calls") is not None:
-                m["tool_calls"] = _tool_calls(msg["tool_calls"], where)
-            rc = field(msg, "reasoning_content", str, where=where)
-            if rc:
-                m["reasoning_content"] = rc
+            if msg.tool_calls is not None:
+                m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                    for c in msg.tool_calls]
+            if msg.reasoning_content:
+                m["reasoning_content"] = msg.reasoning_content
         if role == "tool":
-            m["tool_call_id"] = field(msg, "tool_call_id", str, "", where=where)
-        if m["content"] is None:
-            m["content"] = ""
+            m["tool_call_id"] = msg.tool_call_id or ""
         out.append(m)
     if out[-1]["role"] not in ("user", "tool"):
         raise invalid_request("The last message must be from the user or a tool: the engine "
@@ -153,9 +129,8 @@ def tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str 
 
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a chat body asks for (400 invalid_request naming the field otherwise)."""
-    wire.parse(wire.ChatBody, body)
     values = config.values
-    messages, images = convert_messages(body.get("messages"))
+    messages, images = convert_messages(wire.parse(wire.ChatBody, body).messages)
     tools = convert_tools(body.get("tools"))
     choice, named = tool_choice(body.get("tool_choice"), tools)
     kwargs = field(body, "chat_template_kwargs", dict, {})

@@ -18,7 +18,7 @@ protocol's decoder, which raises the same `invalid_request` with the path.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
@@ -110,8 +110,26 @@ class EmptyBody(Wire):
 # -- the protocols' top-level fields ---------------------------------------------------------
 # The nested parts (messages, content parts, tools) are read by each protocol's decoder.
 
+class ChatFunction(Wire):
+    name: StrictStr = ""
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class ChatToolCall(Wire):
+    id: StrictStr = ""
+    function: ChatFunction
+
+
+class ChatMessage(Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[dict[str, Any]] | None = None   # parts: read by the decoder
+    tool_calls: list[ChatToolCall] | None = None
+    reasoning_content: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+
+
 class ChatBody(Wire):
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     stream: StrictBool | None = None
