@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import statistics
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -110,15 +111,18 @@ class MatmulBench:
             raise MatmulUnavailable("llama.cpp's matmul did not complete")
 
     def rate(self, n_threads: int, seconds: float) -> float:
-        """Weight bytes per second at ``n_threads``, over about ``seconds``."""
+        """Weight bytes per second at ``n_threads``: the median run over about ``seconds``
+        (a decode's speed is read as its median token too; on a shared machine a mean is
+        ruled by the few runs another program's burst stalled)."""
         self.run(n_threads)                      # warm: caches, pages, threads
-        reps, t0 = 0, time.perf_counter()
+        times: list[float] = []
+        start = time.perf_counter()
         while True:
+            t0 = time.perf_counter()
             self.run(n_threads)
-            reps += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds and reps >= 3:
-                return self.weight_bytes * reps / elapsed
+            times.append(time.perf_counter() - t0)
+            if time.perf_counter() - start >= seconds and len(times) >= 5:
+                return self.weight_bytes / statistics.median(times)
 
     def close(self) -> None:
         if self._ctx:
