@@ -8,16 +8,21 @@ measures the disk's O_DIRECT read rate, then teacher-forces the same text, token
 token, through:
 
   compute   llama.cpp on mmap with the file in the page cache, no cap (the compute floor)
-  mmap      llama.cpp on mmap (bmoe with moe-stream off) under the cap
-  auto      bmoe streaming, cache-mb auto, under the cap
+  mmap      llama.cpp on mmap (bmoe with moe-stream off) under the cap (--mmap-tokens)
+  auto      bmoe streaming, cache-mb auto, LRU, serial reads (issue 7's engine), under the cap
+  next-use  the same with the next-use cache policy
+  auto+prefetch          next-use, read-ahead of the next layer, serial
+  auto+prefetch+overlap  next-use, read-ahead `--depth` layers, reads overlapped with compute
   nocache   bmoe streaming, cache-mb 0, under the cap
 
 each in its own process inside a cgroup-v1 memory cap (a child of this process's
 memory cgroup, `--cap-frac` of the file size), with the page cache dropped before each
 run. The first `--warmup` tokens are not timed. From the auto run's routing (captured by
 the streamer) it prints the router skew (top-quarter share, consecutive-token overlap),
-and simulates an offline optimal cache (Belady) of the same size: the I/O floor is its
-bytes per token at the measured read rate, plus the compute floor.
+and simulates an offline optimal cache (Belady) of the same size: the serial I/O floor is
+its bytes per token at the measured read rate plus the compute floor; the overlapped
+floor is the larger of the two. Every run's load time is printed beside the dense
+bytes / disk rate that a load reading no experts needs.
 
 Needs root (cgroups, drop_caches). Deletes the model file at the end unless --keep.
 """
@@ -62,10 +67,13 @@ TEXT = (
     "are long and warm, and people sit outside until late in the evening to talk and eat."
 )
 
-STAT_KEYS = ("read_bytes", "hits", "misses", "io_s", "mgmt_s")
+STAT_KEYS = ("read_bytes", "hits", "misses", "io_s", "mgmt_s", "stall_s", "spec_bytes")
 RUNS: dict[str, dict[str, Any]] = {
     "mmap": {"moe-stream": False},
-    "auto": {"moe-stream": True, "cache-mb": "auto"},
+    "auto": {"moe-stream": True, "cache-mb": "auto", "cache-policy": "lru"},
+    "next-use": {"moe-stream": True, "cache-mb": "auto", "cache-policy": "next-use"},
+    "auto+prefetch": {"moe-stream": True, "cache-mb": "auto", "prefetch": 1},
+    "auto+prefetch+overlap": {"moe-stream": True, "cache-mb": "auto", "overlap": True},
     "nocache": {"moe-stream": True, "cache-mb": 0},
 }
 
@@ -102,6 +110,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"load_s": load_s, "walls": walls, "reads": deltas["read_bytes"],
                            "hits": deltas["hits"], "misses": deltas["misses"],
                            "io": deltas["io_s"], "mgmt": deltas["mgmt_s"],
+                           "stall_s": deltas["stall_s"], "spec_bytes": deltas["spec_bytes"],
                            "n_tokens": len(tokens)}
     if st is not None:
         out["summary"] = st.summary()
@@ -109,6 +118,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         out["budget_bytes"] = st.budget.bytes
         out["unit_bytes"] = st.layout.unit_bytes(0)
         out["routing"] = [r.tolist() for r in st.routing]
+        out["dense_bytes"] = st.layout.dense_bytes
     s.close()
     return out
 
@@ -166,7 +176,17 @@ def run_one(name: str, values: dict[str, Any], model: Path, args: argparse.Names
     print(f"{name:8s} load {res['load_s']:6.1f} s  median {res['median']:.4f} s/tok  "
           f"p90 {res['p90']:.4f}  read {res['mib_tok']:6.1f} MiB/tok  hits "
           f"{res['hit_pct']:5.1f} %  ({res['elapsed_s']:.0f} s)", flush=True)
-    if res["io"]:
+    if res.get("summary", {}).get("prefetch"):
+        sm = res["summary"]
+        n_t = len(res["walls"]) - args.warmup
+        res["stall_tok"] = statistics.mean(res["stall_s"][args.warmup:])
+        res["spec_mib_tok"] = sum(res["spec_bytes"][args.warmup:]) / n_t / MIB
+        res["wasted_mib_tok"] = sm["spec_wasted_mib"] / len(res["walls"])
+        print(f"{'':8s} read-ahead: recall {sm['spec_recall_pct']:.1f} %, "
+              f"{sm['spec_useful']}/{sm['spec_prefetched']} guessed experts used, "
+              f"{res['spec_mib_tok']:.1f} MiB/tok read ahead, ~{res['wasted_mib_tok']:.1f} "
+              f"MiB/tok wasted; stall {res['stall_tok']:.4f} s/tok", flush=True)
+    if res["io"] and not res.get("summary", {}).get("overlap"):
         rest = statistics.mean(res["walls"][args.warmup:]) - res["io_tok"] - res["mgmt_tok"]
         print(f"{'':8s} per token: read wait {res['io_tok']:.4f} s "
               f"({res['read_rate'] / MIB:.0f} MiB/s), cache management {res['mgmt_tok']:.4f} s, "
@@ -192,7 +212,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="f16")
     p.add_argument("--router-skew", type=float, default=1.5)
     p.add_argument("--context-mix", type=float, default=1.5)
-    p.add_argument("--tokens", type=int, default=24, help="tokens teacher-forced per run")
+    p.add_argument("--tokens", type=int, default=70, help="tokens teacher-forced per run")
+    p.add_argument("--mmap-tokens", type=int, default=24,
+                   help="tokens of the mmap run (seconds each under the cap)")
+    p.add_argument("--depth", type=int, default=2, help="read-ahead depth of the overlap run")
+    p.add_argument("--spec-gate", type=float, default=0.0, help="its spec-gate")
     p.add_argument("--warmup", type=int, default=6, help="first tokens not timed")
     p.add_argument("--route-tokens", type=int, default=128,
                    help="tokens of the uncapped run that measures the router's skew")
@@ -201,7 +225,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cap-frac", type=float, default=0.40, help="memory cap / file size")
     p.add_argument("--cache-floor-mb", type=int, default=128,
                    help="auto cache: memory left under the cap (the engine's default is 1536)")
-    p.add_argument("--runs", default="mmap,auto,nocache")
+    p.add_argument("--runs", default="mmap,auto,next-use,auto+prefetch,"
+                                      "auto+prefetch+overlap,nocache")
     p.add_argument("--run-timeout", type=float, default=400.0)
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
     p.add_argument("--json", help="write the figures here")
@@ -234,7 +259,11 @@ def bench(args: argparse.Namespace) -> int:
         extra = {"io-threads": args.io_threads, "cache-floor-mb": args.cache_floor_mb}
         for name in args.runs.split(","):
             values = dict(RUNS[name], **(extra if name != "mmap" else {}))
-            results[name] = run_one(name, values, model, args, cap)
+            if name == "auto+prefetch+overlap":
+                values.update(prefetch=args.depth, **{"spec-gate": args.spec_gate})
+            run_args = args if name != "mmap" else argparse.Namespace(
+                **{**vars(args), "tokens": args.mmap_tokens})
+            results[name] = run_one(name, values, model, run_args, cap)
         rates.append(disk_rate(model, args, "after"))
         report(results, max(rates), args, size, limit)
         if args.json:
@@ -286,6 +315,7 @@ def report(results: dict[str, Any], rate: float, args: argparse.Namespace, size:
     print(f"routing: top-quarter share {top_quarter_share(routing, args.experts):.1%}, "
           f"consecutive-token overlap {consecutive_overlap(routing):.1%} "
           f"({routing.shape[0]} tokens x {routing.shape[1]} layers, captured by the streamer)")
+    floor = floor_ov = 0.0
     if auto is not None:
         trace = np.array(auto["routing"])
         unit = auto["unit_bytes"]
@@ -293,30 +323,41 @@ def report(results: dict[str, Any], rate: float, args: argparse.Namespace, size:
         n = trace.shape[0] - args.warmup
         belady = simulate(trace, units, "belady", args.warmup) * unit / n
         lru = simulate(trace, units, "lru", args.warmup) * unit / n
-        auto["floor"] = belady / rate + compute
-        auto.update(belady_mib=belady / MIB, lru_sim_mib=lru / MIB)
+        floor = belady / rate + compute
+        floor_ov = max(belady / rate, compute)
+        auto.update(belady_mib=belady / MIB, lru_sim_mib=lru / MIB, floor=floor,
+                    floor_overlap=floor_ov)
         print(f"cache: auto {auto['budget_bytes'] / MIB:.0f} MiB = {units} experts of "
               f"{unit / MIB:.1f} MiB; per token an offline optimal cache (Belady) reads "
-              f"{belady / MIB:.1f} MiB, LRU (simulated) {lru / MIB:.1f} MiB, the engine "
+              f"{belady / MIB:.1f} MiB, LRU (simulated) {lru / MIB:.1f} MiB, the LRU engine "
               f"{auto['mib_tok']:.1f} MiB")
-        print(f"I/O floor: {belady / MIB:.1f} MiB at {rate / MIB:.0f} MiB/s + compute "
-              f"{compute:.4f} s = {auto['floor']:.4f} s/tok")
+        print(f"floors: serial {belady / MIB:.1f} MiB at {rate / MIB:.0f} MiB/s + compute "
+              f"{compute:.4f} s = {floor:.4f} s/tok; overlapped max(read, compute) = "
+              f"{floor_ov:.4f} s/tok")
+        dense = auto.get("dense_bytes", 0)
+        print(f"load target: dense {dense / MIB:.0f} MiB / {rate / MIB:.0f} MiB/s + 1 s = "
+              f"{dense / rate + 1:.2f} s (the whole file / rate: {size / rate:.2f} s)")
     print()
-    print(f"{'run':10s} {'s/tok med':>10s} {'p90':>8s} {'tok/s':>7s} {'MiB/tok':>8s} "
-          f"{'hit %':>6s} {'x mmap':>7s} {'/ floor':>8s} {'load s':>7s}")
+    print(f"{'run':22s} {'s/tok med':>9s} {'p90':>7s} {'tok/s':>6s} {'MiB/tok':>7s} "
+          f"{'hit %':>5s} {'x mmap':>6s} {'x auto':>6s} {'/floor':>6s} {'/ovfl':>6s} "
+          f"{'load s':>6s}")
     base = results.get("mmap", {}).get("median")
-    for name in ("mmap", "auto", "nocache"):
+    for name in RUNS:
         r = results.get(name)
         if r is None:
             continue
-        ratio = f"{base / r['median']:.1f}" if base else "-"
-        xf = f"{r['median'] / auto['floor']:.2f}" if auto and auto.get("floor") else "-"
+        xm = f"{base / r['median']:.1f}" if base else "-"
+        xa = f"{auto['median'] / r['median']:.2f}" if auto else "-"
+        xf = f"{r['median'] / floor:.2f}" if floor else "-"
+        xo = f"{r['median'] / floor_ov:.2f}" if floor_ov else "-"
         hit = f"{r['hit_pct']:.1f}" if r["hit_pct"] >= 0 else "-"
-        print(f"{name:10s} {r['median']:10.4f} {r['p90']:8.4f} {1 / r['median']:7.2f} "
-              f"{r['mib_tok']:8.1f} {hit:>6s} {ratio:>7s} {xf:>8s} {r['load_s']:7.1f}")
+        print(f"{name:22s} {r['median']:9.4f} {r['p90']:7.4f} {1 / r['median']:6.2f} "
+              f"{r['mib_tok']:7.1f} {hit:>5s} {xm:>6s} {xa:>6s} {xf:>6s} {xo:>6s} "
+              f"{r['load_s']:6.1f}")
     print(f"(cap {limit / 2**30:.2f} GiB on a {size / 2**30:.2f} GiB file; {args.tokens} "
-          f"tokens per run, the first {args.warmup} not timed; {args.threads} compute threads, "
-          f"{args.io_threads} read lanes; compute floor {compute:.4f} s/tok)")
+          f"tokens per run ({args.mmap_tokens} for mmap), the first {args.warmup} not timed; "
+          f"{args.threads} compute threads, {args.io_threads} read lanes; overlap run: depth "
+          f"{args.depth}, spec-gate {args.spec_gate}; compute floor {compute:.4f} s/tok)")
 
 
 if __name__ == "__main__":

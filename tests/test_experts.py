@@ -3,6 +3,8 @@
 The gates of issue 7: greedy tokens of the streamed engine equal the plain resident
 engine's (llama.cpp on mmap, no streamer) for every cache mode, across a KV-prefix reuse
 and after cancelled turns; the routing the streamer captures is the router's choice.
+Issue 16 adds the same gates for read-ahead (every depth, with and without overlap, a
+predictor forced to guess wrong), the cache policies, and the load that reads no experts.
 Models are tiny ones the model maker writes; the sessions run the way the server runs them
 (Session + turn.prepare/run_turn).
 """
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 from bmoe.engine.errors import EngineError, LoadError
-from bmoe.engine.experts import ExpertStreamer, ggml, streamer_factory
+from bmoe.engine.experts import ExpertStreamer, ggml, nopopulate, streamer_factory
 from bmoe.engine.experts import reader as reader_mod
 from bmoe.engine.experts.budget import MIB, resolve
 from bmoe.engine.experts.cache import ExpertCache, NoCache
@@ -116,7 +118,7 @@ def resident(models: dict[str, Path], name: str) -> Turns:
 
 def streamed(path: Path, check: Callable[[ExpertStreamer], None] | None = None,
              **values: Any) -> Turns:
-    s = open_session(path, **STREAM, **values)
+    s = open_session(path, **{**STREAM, **values})
     try:
         assert isinstance(s.streamer, ExpertStreamer)
         tokens = conversation(s)
@@ -232,6 +234,98 @@ def test_cancelled_turns_then_a_new_one_match(models: dict[str, Path]) -> None:
     finally:
         s.close()
         ref.close()
+
+
+# -- read-ahead: every mode byte-identical ----------------------------------------------------
+
+
+def check_read_ahead(st: ExpertStreamer) -> None:
+    s = st.summary()
+    assert st.predictor is not None and st.queue is not None
+    assert s["spec_prefetched"] > 0 and s["spec_read_mib"] > 0
+    assert 0 <= s["spec_recall_pct"] <= 100 and s["spec_useful"] <= s["spec_prefetched"]
+    assert s["cache_resident_mib"] <= s["cache_budget_mib"]
+
+
+@pytest.mark.parametrize("values", [
+    {"prefetch": 1},
+    {"prefetch": 1, "overlap": True},
+    {"prefetch": 2, "overlap": True},
+    {"prefetch": 3, "overlap": True, "spec-gate": 0.2},
+    {"prefetch": 2, "overlap": True, "cache-policy": "lru"},
+    {"prefetch": 1, "overlap": True, "io-threads": 1},
+], ids=["next", "next-overlap", "depth2-overlap", "depth3-gate", "depth2-lru", "one-lane"])
+def test_read_ahead_matches(models: dict[str, Path], values: dict[str, Any]) -> None:
+    assert streamed(models["moe"], check_read_ahead, **{"cache-mb": 2, **values}) \
+        == resident(models, "moe")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_wrong_guesses_only_cost_bandwidth(models: dict[str, Path], overlap: bool) -> None:
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2, "prefetch": 2,
+                                                 "overlap": overlap})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer) and st.predictor is not None
+        st.predictor.invert = True          # the test knob: guess the least likely experts
+        got = conversation(s)
+        summary = st.summary()
+        assert summary["spec_prefetched"] > 0
+        assert summary["spec_precision_pct"] < 20    # (nearly) every guess wrong
+    finally:
+        s.close()
+    assert got == resident(models, "moe")
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "next-use"])
+def test_cache_policies_match(models: dict[str, Path], policy: str) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert st.summary()["cache_policy"] == policy
+        assert st.summary()["cache_evictions"] > 0
+
+    values = {"cache-mb": 2, "cache-policy": policy}
+    assert streamed(models["moe"], check, **values) == resident(models, "moe")
+
+
+def test_read_ahead_is_off_without_a_cache(models: dict[str, Path]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        assert st.predictor is None and st.summary()["spec_recall_pct"] == -1
+
+    values = {"cache-mb": 0, "prefetch": 2, "overlap": True}
+    assert streamed(models["moe"], check, **values) == resident(models, "moe")
+
+
+def test_cancelled_turns_with_read_ahead_match(models: dict[str, Path]) -> None:
+    ref = Session(models["moe"], dict(BASE))
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2, "prefetch": 2,
+                                                 "overlap": True})
+    try:
+        want, _, _ = turn(ref, QUESTION, cancel_at=3)
+        got, summary, _ = turn(s, QUESTION, cancel_at=3)
+        assert summary["cancelled"] and got == want
+        other = [{"role": "user", "content": "Write a short poem about the sea and the wind."}]
+        want, _, _ = turn(ref, other)
+        got, _, _ = turn(s, other)
+        assert got == want and len(got) == N_TOKENS
+    finally:
+        s.close()
+        ref.close()
+
+
+def test_the_load_reads_no_experts(models: dict[str, Path]) -> None:
+    lib = nopopulate._libllama()
+    slots = nopopulate.import_slots(lib, set(nopopulate._SHIMS))
+    base = nopopulate._load_address(lib)
+    before = {o: ctypes.c_void_p.from_address(base + o).value
+              for offs in slots.values() for o in offs}
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2})
+    try:
+        assert isinstance(s.streamer, ExpertStreamer)
+        assert s.streamer.load_info["load_reads"] == "dense weights only"
+        after = {o: ctypes.c_void_p.from_address(base + o).value for o in before}
+        assert after == before                 # libllama's imports are restored at attach
+    finally:
+        s.close()
 
 
 # -- routing: the ids the streamer captures are the router's --------------------------------
@@ -444,9 +538,11 @@ def test_o_direct_is_used_where_the_file_system_allows_it(models: dict[str, Path
         s.close()
 
 
+@pytest.mark.parametrize("extra", [{}, {"prefetch": 2, "overlap": True}],
+                         ids=["serial", "read-ahead"])
 def test_a_failed_read_is_an_error_and_the_session_recovers(
-        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    s = open_session(models["moe"], **{**STREAM, "cache-mb": 2, "io-threads": 1})
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]) -> None:
+    s = open_session(models["moe"], **{**STREAM, "cache-mb": 2, "io-threads": 1, **extra})
     try:
         def broken(self: Any, r: Any) -> int:
             raise OSError(errno.EIO, "Input/output error")
@@ -492,7 +588,7 @@ def test_per_token_telemetry_and_summary(models: dict[str, Path]) -> None:
 
 def test_lru_evicts_the_least_recently_used_and_never_the_current_layer() -> None:
     unit = np.array([10, 10])
-    c = ExpertCache(unit, n_expert=4, budget=40)
+    c = ExpertCache(unit, n_expert=4, budget=40, policy="lru")
     assert c.admit(0, np.array([0, 1])).misses.tolist() == [0, 1]
     assert c.admit(1, np.array([0, 1])).misses.tolist() == [0, 1]
     hit = c.admit(0, np.array([0]))                      # (0,0) is now the most recent
@@ -512,3 +608,28 @@ def test_no_cache_releases_what_the_layer_no_longer_uses() -> None:
     adm = c.admit(0, np.array([2, 3]))
     assert adm.misses.tolist() == [2, 3] and adm.victims == [(0, 1)]
     assert c.resident_bytes == 20
+
+
+def test_next_use_keeps_the_frequent_units_of_the_layers_coming_next() -> None:
+    c = ExpertCache(np.array([1, 1, 1]), n_expert=4, budget=5, policy="next-use")
+    for _ in range(3):                       # (0,0) and (1,0) are routed every token
+        c.admit(0, np.array([0]))
+        c.admit(1, np.array([0]))
+        c.admit(2, np.array([0]))
+    c.admit(0, np.array([1]))                # used once
+    c.admit(1, np.array([1]))
+    adm = c.admit(2, np.array([1, 2]))       # 7 units for 5: two must go
+    # LRU would evict (0,0) and (1,0), the oldest; next-use evicts the rarely used ones,
+    # the layer just asked (0) furthest from its next use first
+    assert sorted(adm.victims) == [(0, 1), (1, 1)]
+
+
+def test_read_ahead_admission_spares_the_layer_in_use_and_reads_in_flight() -> None:
+    c = ExpertCache(np.array([1, 1]), n_expert=4, budget=4, policy="lru")
+    c.admit(1, np.array([2, 3]))
+    c.admit(0, np.array([0, 1]))             # layer 0 is computing
+    c.pinned[1, 2] = True                    # a read of (1,2) still in flight
+    adm = c.admit_spec(1, np.array([0, 1]))
+    assert adm.victims == [(1, 3)] and adm.misses.tolist() == [0]   # room for one only
+    assert c.resident[0, [0, 1]].all() and c.resident[1, 2]
+    assert c.hits == 0 and c.misses == 4     # read-ahead is neither a hit nor a miss

@@ -9,12 +9,21 @@ reader falls back to buffered reads of the exact slice and says so (`odirect` fa
 
 Lanes are threads: `os.preadv` releases the GIL, so `io-threads` reads are in flight at
 once. One layer's reads are spread over the lanes by bytes and the caller waits for all.
+
+With read-ahead (`prefetch`) the lanes take their work from a `LaneQueue` instead: a
+priority queue of single reads grouped into `ReadGroup`s the caller can wait on. Reads for
+a layer's real routing go in at priority 0 and jump the queue; a speculative read waits
+behind them, and a group that turns out to be needed is *promoted* (its reads not yet
+started are queued again at priority 0) and waited on, never issued twice.
 """
 
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -48,6 +57,13 @@ class ExpertReader:
         self._pool = (ThreadPoolExecutor(self.lanes, thread_name_prefix="bmoe-read")
                       if self.lanes > 1 else None)
         self.file_size = os.fstat(self.buffered_fd).st_size
+        self.queue: LaneQueue | None = None
+
+    def start_queue(self) -> LaneQueue:
+        """Switch to queued lanes (read-ahead): `lanes` threads on one priority queue."""
+        if self.queue is None:
+            self.queue = LaneQueue(self, self.lanes)
+        return self.queue
 
     @property
     def odirect(self) -> bool:
@@ -140,6 +156,9 @@ class ExpertReader:
             discard_pages(src, n)
 
     def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -160,3 +179,98 @@ def _spread(reads: list[Read], lanes: int) -> list[list[Read]]:
         batches[i].append(r)
         load[i] += r.length
     return batches
+
+
+class ReadGroup:
+    """Reads a caller waits on together (one layer's misses, or one expert read ahead)."""
+
+    __slots__ = ("left", "done", "nbytes", "error", "items", "prio")
+
+    def __init__(self, prio: int) -> None:
+        self.left = 0
+        self.done = threading.Event()
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self.items: list[_Item] = []
+        self.prio = prio
+
+
+class _Item:
+    __slots__ = ("read", "group", "taken")
+
+    def __init__(self, read: Read, group: ReadGroup) -> None:
+        self.read, self.group, self.taken = read, group, False
+
+
+class LaneQueue:
+    """`lanes` reader threads serving one priority queue of reads (0 = needed now)."""
+
+    def __init__(self, reader: ExpertReader, lanes: int) -> None:
+        self._reader = reader
+        self._heap: list[tuple[int, int, _Item]] = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._closed = False
+        self.busy_s = 0.0          # summed lane time spent reading (can exceed wall time)
+        self._threads = [threading.Thread(target=self._lane, name=f"bmoe-lane-{i}", daemon=True)
+                         for i in range(lanes)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, reads: list[Read], prio: int) -> ReadGroup:
+        g = ReadGroup(prio)
+        g.items = [_Item(r, g) for r in reads]
+        g.left = len(g.items)
+        if not g.items:
+            g.done.set()
+            return g
+        with self._cv:
+            for it in sorted(g.items, key=lambda it: -it.read.length):
+                heapq.heappush(self._heap, (prio, next(self._seq), it))
+            self._cv.notify_all()
+        return g
+
+    def promote(self, g: ReadGroup) -> None:
+        """Queue the group's reads not yet started again, at priority 0."""
+        if g.prio == 0 or g.done.is_set():
+            return
+        with self._cv:
+            g.prio = 0
+            for it in g.items:
+                if not it.taken:
+                    heapq.heappush(self._heap, (0, next(self._seq), it))
+            self._cv.notify_all()
+
+    def _lane(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._heap:
+                    return
+                _, _, it = heapq.heappop(self._heap)
+                if it.taken:
+                    continue
+                it.taken = True
+            t0 = time.perf_counter()
+            n, err = 0, None
+            try:
+                n = self._reader._one(it.read)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                err = e
+            g = it.group
+            with self._cv:
+                self.busy_s += time.perf_counter() - t0
+                g.nbytes += n
+                if err is not None and g.error is None:
+                    g.error = err
+                g.left -= 1
+                if g.left == 0:
+                    g.done.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()

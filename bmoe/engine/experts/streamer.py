@@ -27,6 +27,17 @@ we want its data, then (for the nodes we said yes to) with the data computed:
   during the first evaluation, after that layer's routing was already read into the
   buffer. Once all are rebound the streamer stops looking at MUL_MAT_ID nodes.
 
+Read-ahead (`prefetch` N > 0, with a cache): after a decode step's layer l has its
+experts, the streamer guesses layers l+1 .. l+N (`predict.Predictor`: the next routers
+applied to layer l's router input), admits the guesses the cache lacks (`admit_spec`)
+and queues one read group per guessed expert on the lanes (`reader.LaneQueue`) behind
+the real routing's reads. With `overlap` the callback returns at once and llama.cpp
+computes while the lanes read; without it, the callback waits for the guesses too. When
+a layer's routing arrives, a guessed expert still in flight is promoted and waited on
+(never read twice); a wrong guess is only bandwidth. In-flight units are pinned (never
+victims), and a victim whose pages a queued read will take over (`_pending_out`) is not
+read into again until that read has run.
+
 A failure inside the callback (an I/O error) cannot raise through llama.cpp: the
 callback stops the graph (returns false), records the message, and the session turns it
 into an EngineError after llama_decode returns (`failure()`).
@@ -46,9 +57,10 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from . import ggml
+from . import ggml, nopopulate
 from .budget import MIB, Budget, resolve
 from .cache import Admission, ExpertCache, NoCache
+from .predict import Predictor, read_routers, router_input
 from .layout import ExpertTensor, Layout
 from .memory import (
     AnonBuffer,
@@ -63,7 +75,7 @@ from .memory import (
     pin_anonymous,
     resident_fraction,
 )
-from .reader import ExpertReader, Read
+from .reader import ExpertReader, LaneQueue, Read, ReadGroup
 
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
@@ -71,13 +83,16 @@ _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
 
 
 class _Counters:
-    __slots__ = ("io_s", "mgmt_s", "read_bytes", "hits", "misses", "evictions", "rereads",
-                 "experts_read")
+    __slots__ = ("io_s", "mgmt_s", "stall_s", "read_bytes", "hits", "misses", "evictions",
+                 "rereads", "experts_read", "spec_bytes", "spec_units", "spec_useful",
+                 "spec_wasted_bytes", "guessed", "guess_hits", "routed")
 
     def __init__(self) -> None:
-        self.io_s = self.mgmt_s = 0.0
+        self.io_s = self.mgmt_s = self.stall_s = 0.0
         self.read_bytes = self.hits = self.misses = self.evictions = self.rereads = 0
         self.experts_read = 0
+        self.spec_bytes = self.spec_units = self.spec_useful = self.spec_wasted_bytes = 0
+        self.guessed = self.guess_hits = self.routed = 0
 
 
 class ExpertStreamer:
@@ -108,6 +123,18 @@ class ExpertStreamer:
         self._total = _Counters()
         self._in_prefill = False
         self._route_row: dict[int, np.ndarray] = {}
+        self.prefetch = max(0, int(values.get("prefetch", 0) or 0))
+        self.spec_gate = float(values.get("spec-gate", 0.0) or 0.0)
+        self.overlap = bool(values.get("overlap", False))
+        self.predictor: Predictor | None = None
+        self.queue: LaneQueue | None = None
+        self._inflight: dict[tuple[int, int], ReadGroup] = {}     # units read ahead
+        self._pending_out: dict[tuple[int, int], ReadGroup] = {}  # pages a read will take
+        self._spec: np.ndarray = np.zeros((0, 0), dtype=bool)     # read ahead, not yet used
+        self._guess: dict[int, np.ndarray] = {}                   # this token's guesses
+        self._busy_at = 0.0
+        self._src_unit: dict[int, tuple[int, int]] = {}
+        self._populating = False
         self._cb = lc.ggml_backend_sched_eval_callback(self._eval)
         self.load_info: dict[str, Any] = {}
 
@@ -118,6 +145,9 @@ class ExpertStreamer:
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP
         params.use_extra_bufts = False
         self._probe = MappingProbe(self.path)
+        why = nopopulate.begin(self.path)
+        self._populating = not why
+        self.load_info["load_reads"] = "dense weights only" if not why else why
 
     def configure_context_params(self, params: Any) -> None:
         params.cb_eval = self._cb
@@ -125,6 +155,7 @@ class ExpertStreamer:
 
     def attach(self, model: Any, ctx: Any) -> None:
         t0 = time.monotonic()
+        self._end_load()
         assert self._probe is not None, "configure_model_params was not called"
         self.mapping = self._probe.find()
         fd = os.open(self.path, os.O_RDONLY)
@@ -137,8 +168,9 @@ class ExpertStreamer:
         self.budget = resolve(self.values, token_cycle=cycle, all_bytes=total, extra_held=held)
         self._make_buffers()
         unit = np.array([self.layout.unit_bytes(i) for i in range(self.layout.n_layer)])
+        policy = str(self.values.get("cache-policy", "next-use") or "next-use")
         self.cache = (NoCache(self.layout.n_layer, unit) if self.budget.bytes == 0
-                      else ExpertCache(unit, self.layout.n_expert, self.budget.bytes))
+                      else ExpertCache(unit, self.layout.n_expert, self.budget.bytes, policy))
         self.reader = ExpertReader(str(self.path), int(self.values.get("io-threads", 4) or 1),
                                    bool(self.values.get("o-direct", True)))
         # Each slice that ever received moved pages becomes its own mapping (and so does
@@ -147,7 +179,20 @@ class ExpertStreamer:
         self.reader.recycle = 2 * slices + map_count() < 0.8 * max_map_count()
         if self.budget.mode == "all":
             self._load_all()
+        elif self.prefetch and isinstance(self.cache, ExpertCache):
+            self._start_prefetch()
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
+
+    def _start_prefetch(self) -> None:
+        assert self.reader is not None
+        n_layer = self.layout.n_layer
+        routers = read_routers(self.path, n_layer)
+        self.predictor = Predictor(routers, n_layer, self.layout.n_expert_used, self.prefetch,
+                                   self.spec_gate)
+        self._spec = np.zeros((n_layer, self.layout.n_expert), dtype=bool)
+        self.queue = self.reader.start_queue()
+        self.load_info["predictor"] = (f"router, {len(routers)} of {n_layer} layers"
+                                       if routers else "previous token")
 
     def _settle_file_pages(self, fd: int) -> None:
         """Drop the expert pages llama.cpp's load brought in; pin the dense ones if asked."""
@@ -239,9 +284,14 @@ class ExpertStreamer:
         if self.record_routing and n == 1:
             self._route_row[layer] = ids[0]
         self.ensure(layer, np.unique(ids))
+        if self.predictor is not None and n == 1 and not self._in_prefill:
+            self.predictor.last[layer] = ids[0].astype(np.int64)
+            self._read_ahead(layer, router_input(tt, layer))
 
     def ensure(self, layer: int, ids: np.ndarray) -> Admission:
         """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses)."""
+        if self.queue is not None:
+            return self._ensure_queued(layer, ids)
         assert self.cache is not None and self.reader is not None
         t0 = time.perf_counter()
         adm = self.cache.admit(layer, ids)
@@ -259,16 +309,147 @@ class ExpertStreamer:
         self._count(t1 - t0, io_s, nbytes, adm)
         return adm
 
+    # -- read-ahead ------------------------------------------------------------------
+
+    def _ensure_queued(self, layer: int, ids: np.ndarray) -> Admission:
+        """`ensure` with the lanes on the queue: wait for guesses in flight, read the rest
+        at priority 0."""
+        assert isinstance(self.cache, ExpertCache) and self.queue is not None
+        t0 = time.perf_counter()
+        self._sweep()
+        waits = [g for e in ids.tolist()
+                 if (g := self._pending_out.get((layer, e))) is not None and not g.done.is_set()]
+        for g in waits:              # a miss whose old pages a queued read still takes
+            self.queue.promote(g)
+        self._wait(waits)
+        adm = self.cache.admit(layer, ids)
+        c = self._token if not self._in_prefill else self._turn
+        self._score_guess(layer, ids, c)
+        used = self._spec[layer, ids]
+        for cc in (c, self._total):
+            cc.spec_useful += int(used.sum())
+        self._spec[layer, ids] = False
+        waits = [g for e in ids.tolist() if (g := self._inflight.get((layer, e))) is not None]
+        spare = self._victim_pages(adm.victims)
+        self._note_victims(adm.victims, c)
+        reads = self._reads_for(layer, adm.misses, spare)
+        for length, pages in spare.items():
+            for buf, addr in pages:
+                buf.release_at(addr, length)
+        t1 = time.perf_counter()
+        group = self.queue.submit(reads, 0)
+        for g in waits:
+            self.queue.promote(g)
+        failed = self._wait([group, *waits])
+        stall = time.perf_counter() - t1
+        if failed is not None:
+            self._forget(layer, adm.misses)
+            self._sweep()
+            raise failed
+        self._count(t1 - t0, stall, group.nbytes, adm)
+        for cc in (c, self._total):
+            cc.stall_s += stall
+        return adm
+
+    @staticmethod
+    def _wait(groups: list[ReadGroup]) -> BaseException | None:
+        for g in groups:
+            g.done.wait()
+        return next((g.error for g in groups if g.error is not None), None)
+
+    def _score_guess(self, layer: int, ids: np.ndarray, c: _Counters) -> None:
+        guess = self._guess.pop(layer, None)
+        if guess is None:
+            return
+        hit = int(np.isin(guess, ids).sum())
+        for cc in (c, self._total):
+            cc.guessed += len(guess)
+            cc.guess_hits += hit
+            cc.routed += len(ids)
+
+    def _note_victims(self, victims: list[tuple[int, int]], c: _Counters) -> None:
+        """Guesses evicted before any routing used them: wasted reads."""
+        for vl, ve in victims:
+            if self._spec[vl, ve]:
+                self._spec[vl, ve] = False
+                for cc in (c, self._total):
+                    cc.spec_wasted_bytes += self.layout.unit_bytes(vl)
+
+    def _read_ahead(self, layer: int, h: np.ndarray | None) -> None:
+        """Guess the next layers' experts and queue reads of those the cache lacks."""
+        assert self.predictor is not None and self.queue is not None
+        assert isinstance(self.cache, ExpertCache)
+        t0 = time.perf_counter()
+        c = self._token
+        groups = []
+        for j, guess in self.predictor.guesses(layer, h):
+            self._guess[j] = guess
+            todo = [e for e in guess.tolist() if (j, e) not in self._inflight
+                    and (j, e) not in self._pending_out]
+            if not todo:
+                continue
+            adm = self.cache.admit_spec(j, np.array(todo, dtype=np.int64))
+            spare = self._victim_pages(adm.victims)
+            self._note_victims(adm.victims, c)
+            for cc in (c, self._total):
+                cc.evictions += len(adm.victims)
+            for e in adm.misses.tolist():
+                reads = self._reads_for(j, np.array([e]), spare)
+                g = self.queue.submit(reads, 1 + j - layer)
+                self._inflight[(j, e)] = g
+                self.cache.pinned[j, e] = True
+                self._spec[j, e] = True
+                for r in reads:
+                    for src, _, _ in r.moves:
+                        self._pending_out[self._unit_at(src)] = g
+                groups.append(g)
+            for length, pages in spare.items():
+                for buf, addr in pages:
+                    buf.release_at(addr, length)
+        for cc in (c, self._total):
+            cc.mgmt_s += time.perf_counter() - t0
+        if not self.overlap and groups:
+            t1 = time.perf_counter()
+            self._wait(groups)
+            for cc in (c, self._total):
+                cc.io_s += time.perf_counter() - t1
+            self._sweep()
+
+    def _unit_at(self, addr: int) -> tuple[int, int]:
+        """The (layer, expert) whose interior pages start at `addr`."""
+        return self._src_unit[addr]
+
+    def _sweep(self) -> None:
+        """Unpin the guesses whose reads are done; a failed one is simply not resident."""
+        assert isinstance(self.cache, ExpertCache)
+        done = [u for u, g in self._inflight.items() if g.done.is_set()]
+        c = self._token if not self._in_prefill else self._turn
+        for u in done:
+            g = self._inflight.pop(u)
+            self.cache.pinned[u] = False
+            if g.error is not None:
+                self._spec[u] = False
+                self._forget(u[0], np.array([u[1]]))
+                continue
+            for cc in (c, self._total):
+                cc.spec_bytes += g.nbytes
+                cc.read_bytes += g.nbytes
+                cc.spec_units += 1
+        for u in [u for u, g in self._pending_out.items() if g.done.is_set()]:
+            del self._pending_out[u]
+
     def _victim_pages(self, victims: list[tuple[int, int]]
                       ) -> dict[int, list[tuple[AnonBuffer, int]]]:
         """The victims' interior pages, by length: to hand on to misses, or to free."""
         spare: dict[int, list[tuple[AnonBuffer, int]]] = {}
+        self._src_unit.clear()
         for vl, ve in victims:
             for t, buf in self._by_layer.get(vl, ()):
                 s = t.slice_bytes
                 addr, n = buf.interior(ve * s, (ve + 1) * s)
                 if n:
                     spare.setdefault(n, []).append((buf, addr))
+                    self._src_unit[addr] = (vl, ve)
         return spare
 
     def _reads_for(self, layer: int, misses: np.ndarray,
@@ -332,17 +513,22 @@ class ExpertStreamer:
     def token_begin(self) -> None:
         self._token = _Counters()
         self._route_row.clear()
+        self._guess.clear()
+        if self.queue is not None:
+            self._busy_at = self.queue.busy_s
 
     def token_end(self) -> dict[str, Any]:
         c = self._token
         if self.record_routing and self._route_row:
             rows = self._route_row
             self.routing.append(np.array([rows[layer] for layer in sorted(rows)]))
+        overlap = self.queue is not None and self.overlap
+        io_s = self.queue.busy_s - self._busy_at if overlap and self.queue else c.io_s
         return {
-            "io_ms": round(c.io_s * 1000.0, 3),
-            "stall_ms": 0.0,
+            "io_ms": round(io_s * 1000.0, 3),
+            "stall_ms": round(c.stall_s * 1000.0, 3) if overlap else 0.0,
             "mgmt_ms": round(c.mgmt_s * 1000.0, 3),
-            "overlap": False,
+            "overlap": overlap,
             "read_mib": round(c.read_bytes / MIB, 4),
             "experts_read": c.experts_read,
             "cache_hit_pct": self._hit_pct(),
@@ -352,6 +538,19 @@ class ExpertStreamer:
             "rereads": c.rereads,
             "dense_resident_frac": self.dense_resident_frac(),
             "odirect": bool(self.reader and self.reader.odirect),
+            **self._spec_figures(c),
+        }
+
+    def _spec_figures(self, c: _Counters) -> dict[str, Any]:
+        if self.predictor is None:
+            return {}
+        return {
+            "spec_read_mib": round(c.spec_bytes / MIB, 4),
+            "spec_wasted_mib": round(c.spec_wasted_bytes / MIB, 4),
+            "spec_prefetched": c.spec_units,
+            "spec_useful": c.spec_useful,
+            "spec_recall_pct": _pct(c.guess_hits, c.routed),
+            "spec_precision_pct": _pct(c.guess_hits, c.guessed),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -361,7 +560,18 @@ class ExpertStreamer:
             "cache_hit_pct": self._hit_pct(),
             "prefill_read_mib": round(self._turn.read_bytes / MIB, 3),
             "prefill_io_s": round(self._turn.io_s, 4),
-            "overlap": False,
+            "overlap": self.queue is not None and self.overlap,
+            "prefetch": self.prefetch if self.predictor is not None else 0,
+            "spec_gate": self.spec_gate,
+            "spec_recall_pct": (_pct(total.guess_hits, total.routed)
+                                if self.predictor is not None else -1),
+            "spec_precision_pct": (_pct(total.guess_hits, total.guessed)
+                                   if self.predictor is not None else -1),
+            "spec_read_mib": round(total.spec_bytes / MIB, 2),
+            "spec_prefetched": total.spec_units,
+            "spec_useful": total.spec_useful,
+            "spec_wasted_mib": round(total.spec_wasted_bytes / MIB, 2),
+            "cache_policy": self.cache.policy if isinstance(self.cache, ExpertCache) else "",
             "cache_resident_mib": round(self._resident_bytes() / MIB, 1),
             "cache_budget_mib": round(self.budget.bytes / MIB, 1),
             "cache_mode": self.budget.mode,
@@ -381,6 +591,11 @@ class ExpertStreamer:
         """Totals since load (for benchmarks and tests; per-token figures are token_end's)."""
         c = self._total
         return {"read_bytes": c.read_bytes, "io_s": c.io_s, "mgmt_s": c.mgmt_s,
+                "stall_s": c.stall_s, "spec_bytes": c.spec_bytes,
+                "spec_units": c.spec_units, "spec_useful": c.spec_useful,
+                "spec_wasted_bytes": c.spec_wasted_bytes, "guessed": c.guessed,
+                "guess_hits": c.guess_hits, "routed": c.routed,
+                "lane_busy_s": self.queue.busy_s if self.queue else 0.0,
                 "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
                 "rereads": c.rereads, "resident_bytes": self._resident_bytes(),
                 "budget_bytes": self.budget.bytes,
@@ -407,7 +622,14 @@ class ExpertStreamer:
                 self._dense_frac = -1.0
         return self._dense_frac
 
+    def _end_load(self) -> None:
+        if self._populating:
+            nopopulate.end(self.path)
+            self._populating = False
+
     def close(self) -> None:
+        self._end_load()
+        self.queue = None
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -415,3 +637,7 @@ class ExpertStreamer:
             buf.close()
         self._buffers.clear()
         self._by_layer.clear()
+
+
+def _pct(a: int, b: int) -> float:
+    return round(100.0 * a / b, 2) if b else -1.0

@@ -1,0 +1,118 @@
+"""Guessing the next layers' experts before their routers run (read-ahead, `prefetch`).
+
+When the router of layer l has run, its input — layer l's normalised hidden state h
+(`ffn_norm-<l>`, the `src[1]` of the router's `ffn_moe_logits-<l>` matmul) — is still in
+llama.cpp's graph memory: the layer's expert matmuls read it next. The residual stream
+changes little from one layer to the next (each layer adds a small update to it), so
+the router of layer l+1 applied to h, `softmax(W_{l+1} h)`, guesses l+1's choice before
+l+1's attention has run. This is the approach of Pre-gated MoE (Hwang et al., ISCA 2024:
+the next layer's gate evaluated on the current layer's input) and of the
+activation-aware prefetching in MoE-Infinity (Xue et al., 2024); `depth` N applies the
+routers of l+1 .. l+N to the same h. Only the `k` most probable experts whose probability
+is at least `spec-gate` are guessed, the most probable first.
+
+Router weights are read once from the GGUF file (F32, F16 or BF16; a quantised router
+falls back to the previous token's routing of that layer, as does a graph whose router
+input cannot be found). The cost is one [n_expert, n_embd] matrix-vector product per
+guessed layer, in numpy on the engine thread.
+
+`Predictor.invert` (a test knob) guesses the k *least* probable experts: every guess
+wrong, to check that wrong guesses only cost bandwidth.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from . import ggml
+
+_FLOAT_TYPES = {
+    gguf.GGMLQuantizationType.F32: np.float32,
+    gguf.GGMLQuantizationType.F16: np.float16,
+}
+
+
+def read_routers(path: Path, n_layer: int) -> dict[int, np.ndarray]:
+    """layer -> router weights [n_expert, n_embd] float32 (layers with a float router)."""
+    reader = gguf.GGUFReader(path)
+    out: dict[int, np.ndarray] = {}
+    try:
+        for t in reader.tensors:
+            parts = t.name.split(".")
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] != "ffn_gate_inp":
+                continue
+            layer = int(parts[1])
+            if layer >= n_layer or t.tensor_type not in _FLOAT_TYPES or len(t.shape) != 2:
+                continue
+            w = np.array(t.data, dtype=np.float32)            # a copy: the map closes
+            out[layer] = np.ascontiguousarray(w.reshape(int(t.shape[1]), int(t.shape[0])))
+    finally:
+        mm = getattr(reader.data, "_mmap", None)
+        reader.tensors.clear()
+        del reader.data
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+    return out
+
+
+def router_input(topk: ggml.GgmlTensor, layer: int) -> np.ndarray | None:
+    """Layer `layer`'s router input for the graph's last token, found from its topk view
+    (topk -> argsort -> probs -> logits -> (W, h)), or None where the graph differs."""
+    try:
+        argsort = topk.view_src or topk.src[0]
+        probs = ggml.tensor_at(argsort).src[0] if argsort else None
+        logits = ggml.tensor_at(probs).src[0] if probs else None
+        if not logits or ggml.name_of(logits) != f"ffn_moe_logits-{layer}".encode():
+            return None
+        h_addr = ggml.tensor_at(logits).src[1]
+        if not h_addr:
+            return None
+        h = ggml.tensor_at(h_addr)
+        if h.type != 0 or not h.data:          # GGML_TYPE_F32
+            return None
+        n_embd, n_tok, row = int(h.ne[0]), int(h.ne[1]), int(h.nb[1])
+        addr = h.data + (n_tok - 1) * row
+        return np.ctypeslib.as_array((ctypes.c_float * n_embd).from_address(addr)).copy()
+    except (ValueError, OSError):
+        return None
+
+
+class Predictor:
+    """Guesses of layers l+1 .. l+depth from layer l's router input."""
+
+    def __init__(self, routers: dict[int, np.ndarray], n_layer: int, k: int, depth: int,
+                 gate: float) -> None:
+        self.routers = routers
+        self.n_layer = n_layer
+        self.k = k
+        self.depth = depth
+        self.gate = float(gate)
+        self.invert = False
+        self.last: dict[int, np.ndarray] = {}     # previous token's routing per layer
+
+    def guesses(self, layer: int, h: np.ndarray | None) -> list[tuple[int, np.ndarray]]:
+        """[(layer j, expert ids most likely first)] for j in layer+1 .. layer+depth."""
+        out = []
+        for j in range(layer + 1, min(self.n_layer, layer + 1 + self.depth)):
+            w = self.routers.get(j)
+            if h is None or w is None or w.shape[1] != h.shape[0]:
+                prev = self.last.get(j)
+                if prev is not None and not self.invert:
+                    out.append((j, prev))
+                continue
+            logits = w @ h
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            order = np.argsort(p if self.invert else -p, kind="stable")[: self.k]
+            if not self.invert:
+                order = order[p[order] >= self.gate]
+            if len(order):
+                out.append((j, order.astype(np.int64)))
+        return out
