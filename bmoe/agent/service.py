@@ -17,7 +17,6 @@ running command's process group, or ends a wait for approval.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -127,8 +126,8 @@ class AgentService:
             async with lock:
                 if conv["id"] not in self.convs:
                     return
-                snapshot = json.loads(json.dumps(conv))
-                await trio.to_thread.run_sync(store.write_json, self.path(conv["id"]), snapshot)
+                data = store.encode(conv)     # the snapshot, taken on this thread
+                await trio.to_thread.run_sync(store.write_bytes, self.path(conv["id"]), data)
 
     def path(self, cid: str) -> Path:
         return self.conv_dir / f"{cid}.json"

@@ -13,10 +13,18 @@ from pathlib import Path
 from typing import Any
 
 
+def encode(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, indent=1).encode("utf-8", "surrogatepass")
+
+
 def write_json(path: Path, value: Any, *, mode: int = 0o644) -> None:
     """Write `value` to `path` atomically (temp file in the same folder, fsync, rename)."""
+    write_bytes(path, encode(value), mode=mode)
+
+
+def write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Write `data` to `path` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(value, ensure_ascii=False, indent=1).encode("utf-8", "surrogatepass")
     fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
