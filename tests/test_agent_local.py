@@ -65,3 +65,65 @@ def test_a_conversation_past_the_context_ends_on_a_notice(tmp_path: Path, tiny_m
         assert status == 202                                   # an error does not lock it
     finally:
         srv.stop()
+
+
+def test_stopping_a_queued_round_leaves_another_clients_turn_running(tmp_path: Path,
+                                                                     tiny_moe: Path) -> None:
+    """A long chat answer holds the turn; the agent's round waits behind it; stopping the
+    conversation withdraws only its place. Then the agent's own running round stops."""
+    import threading
+    import time
+    import urllib.request
+
+    from _e2e_support import wait_for
+
+    srv = start_server(tmp_path / "data", "-m", str(tiny_moe))
+    finish: list[str] = []
+    chunks = [0]
+    started = threading.Event()
+
+    def long_chat() -> None:
+        body = json.dumps({"messages": [{"role": "user", "content": "go"}], "stream": True,
+                           "max_tokens": 12000}).encode()
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    chunks[0] += 1
+                    started.set()
+                    choice = json.loads(line[6:])["choices"]
+                    if choice and choice[0]["finish_reason"]:
+                        finish.append(choice[0]["finish_reason"])
+
+    try:
+        t = threading.Thread(target=long_chat, daemon=True)
+        t.start()
+        assert started.wait(30)
+        status, conv = api(srv, "POST", "/api/conversations", {})
+        cid = conv["id"]
+        api(srv, "POST", f"/api/conversations/{cid}/messages", {"text": "hello"})
+        assert srv.info()["generating"]
+        t0 = time.monotonic()
+        status, body = api(srv, "POST", f"/api/conversations/{cid}/stop", {})
+        assert body == {"stopped": True} and time.monotonic() - t0 < 1.0
+        seen = chunks[0]
+        wait_for(lambda: chunks[0] > seen + 5, 10, "the other answer to go on")
+        assert finish == [], "the other client's answer was cut short"
+        api(srv, "POST", "/api/cancel", {})
+        t.join(30)
+        assert finish == ["cancelled"], finish
+        conv = wait_idle(srv, cid)
+        assert kinds(conv)[-1] == "notice" and conv["items"][-1]["code"] == "stopped"
+        # now the agent's own round runs; a stop ends it within a second
+        api(srv, "POST", f"/api/conversations/{cid}/messages", {"text": "talk"})
+        wait_for(lambda: any(i["kind"] == "assistant" and i["text"] for i in
+                             api(srv, "GET", f"/api/conversations/{cid}")[1]["items"]),
+                 30, "the agent's answer to stream")
+        t0 = time.monotonic()
+        status, body = api(srv, "POST", f"/api/conversations/{cid}/stop", {})
+        took = time.monotonic() - t0
+        assert body == {"stopped": True} and took < 1.0, took
+        assert not srv.info()["generating"]
+    finally:
+        srv.stop()
