@@ -107,3 +107,23 @@ def test_a_projector_for_another_width_is_refused_at_load_not_crashed(tmp_path: 
     wrong = make_projector(tmp_path / "p.gguf", name="w", n_embd_text=32)
     with pytest.raises(LoadError, match="could not be loaded with this model"):
         Session(model, {"ctx-size": 256, "threads": 1, "mmproj": str(wrong)})
+
+
+def test_a_paired_projector_libmtmd_refuses_leaves_the_model_loaded_without_images(
+        tmp_path: Path) -> None:
+    from bmoe.engine.errors import LoadError
+    from bmoe.engine.session import Session
+
+    model = make_model(tmp_path / "m.gguf", name="w")
+    make_projector(tmp_path / "p.gguf", name="w", n_embd_text=32)   # pairs, but cannot load
+    s = Session(model, {"ctx-size": 256, "threads": 1})
+    try:
+        assert s.vision is None
+    finally:
+        s.close()
+    with pytest.raises(LoadError, match="is not an image projector"):
+        Session(model, {"ctx-size": 256, "threads": 1, "mmproj": str(model)})
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(LoadError, match="is not an image projector"):
+        Session(model, {"ctx-size": 256, "threads": 1, "mmproj": str(junk)})

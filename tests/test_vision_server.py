@@ -195,3 +195,24 @@ def test_unloading_and_reloading_keeps_the_pair(vision_server: ServerProcess,
     assert status in (200, 202)
     info = vision_server.wait_state("ready", "error")
     assert info["model"]["vision"] is True, info
+
+
+def test_the_mmproj_parameter_names_a_projector_the_folder_would_not_pair(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    folder = tmp_path_factory.mktemp("mmproj-flag")
+    model, proj = make_vision_pair(folder, name="bmoe-vision-test",
+                                   projector_name="another-model")
+    srv = start_server(tmp_path_factory.mktemp("mmproj-data"), "-m", str(model), "-c", "1024")
+    try:
+        assert srv.info()["model"]["vision"] is False        # another model's name: never
+    finally:
+        srv.stop()
+    srv = start_server(tmp_path_factory.mktemp("mmproj-data2"), "-m", str(model), "-c", "1024",
+                       "--mmproj", str(proj))
+    try:
+        info = srv.info()["model"]
+        assert info["vision"] is True and info["projector"] == proj.name
+        status, out = chat(srv, parts("look", RED))
+        assert status == 200, out
+    finally:
+        srv.stop()

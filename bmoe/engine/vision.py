@@ -372,19 +372,31 @@ def reuse_start(vision: Vision | None, prompt: list[int], reused: int) -> int:
 
 def open_vision(session: "Session") -> Vision | None:
     """The session's projector: the `mmproj` parameter's file, else the one its folder
-    pairs with the model by their headers; None when there is none."""
-    named = str(session.values.get("mmproj") or "").strip()
-    path: Path | None
-    if named:
-        path = Path(named).expanduser()
-        if not path.is_file():
-            raise LoadError(f"The projector {named} ({{mmproj}}) does not exist.")
-    else:
-        from ..models.pairing import projector_for
+    pairs with the model by their headers; None when there is none.
 
-        path = projector_for(session.path)
+    A projector named with `mmproj` that cannot be used fails the load, with the
+    reason; one the folder paired is left out with a warning, and the model loads
+    without images. Either way its header is read in Python first, so libmtmd is only
+    given a file that is a projector by its header."""
+    from ..models.pairing import projector_for
+    from ..models.probe import probe_file
+
+    named = str(session.values.get("mmproj") or "").strip()
+    path = Path(named).expanduser() if named else projector_for(session.path)
     if path is None:
         return None
-    vision = Vision(session, path, int(session.values.get("image-max-tokens") or 0))
+    try:
+        if named and not path.is_file():
+            raise LoadError(f"The projector {named} ({{mmproj}}) does not exist.")
+        probe = probe_file(path)
+        if probe.role != "projector":
+            why = probe.reason or f"its header says it is a {probe.role or 'file'} of another kind"
+            raise LoadError(f"{path.name} is not an image projector: {why}.")
+        vision = Vision(session, path, int(session.values.get("image-max-tokens") or 0))
+    except LoadError as e:
+        if named:
+            raise
+        log.warning("images are off: %s", e.message)
+        return None
     log.info("images: %s paired with %s", path.name, session.path.name)
     return vision
