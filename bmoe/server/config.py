@@ -254,7 +254,7 @@ class ConfigStore:
                              "launch_only")
         try:
             value = params.parse_value(p, raw)
-            if key == "model" and value and model_dirs is not None:
+            if key in ("model", "mmproj") and value and model_dirs is not None:
                 value = os.fspath(confine_model_path(value, model_dirs))
         except OutsideModelsDir as e:
             return Rejection(f"{p.label}: {e}", e.code)
