@@ -1,8 +1,11 @@
 """One decode-shaped matmul through llama.cpp's own CPU backend (ggml), timed.
 
 A ggml context holds a weight matrix of the model's own type and bytes (rows of one of
-its expert tensors, read from the file) and one F32 vector; the graph is their
-``ggml_mul_mat``: what a decoded token does with every weight it touches. The plan is
+its expert tensors, read from the file) and one F32 vector; the graph multiplies the
+vector by each of ``SLICES`` row blocks of it and sums the results: what a decoded token
+does with every weight it touches, in many nodes as a decode does (each node is a
+barrier for the compute threads, which is what makes extra threads cost on a busy
+machine). The plan is
 made once per thread count (``ggml_graph_plan``) with a work buffer we own, so repeated
 runs allocate nothing. Nothing here touches a llama.cpp model or context, so it may run
 on any thread.
@@ -23,6 +26,7 @@ from ..engine.experts.ggml import GgmlTensor, libggml
 
 MIB = 1 << 20
 GRAPH_EXTRA = 4 * MIB           # the context's room beside the tensors
+SLICES = 32                     # matmul nodes in the graph (a decode has hundreds)
 
 
 class MatmulUnavailable(Exception):
@@ -57,6 +61,9 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     base.ggml_build_forward_expand.argtypes = [vp, vp]
     base.ggml_graph_overhead.restype, base.ggml_graph_overhead.argtypes = sz, []
     base.ggml_row_size.restype, base.ggml_row_size.argtypes = sz, [ctypes.c_int, i64]
+    base.ggml_view_2d.restype = vp
+    base.ggml_view_2d.argtypes = [vp, vp, i64, i64, sz, sz]
+    base.ggml_add.restype, base.ggml_add.argtypes = vp, [vp, vp, vp]
     base.ggml_blck_size.restype, base.ggml_blck_size.argtypes = i64, [ctypes.c_int]
     cpu.ggml_cpu_init.restype, cpu.ggml_cpu_init.argtypes = None, []
     cpu.ggml_graph_plan.restype = _CPlan
@@ -97,8 +104,22 @@ class MatmulBench:
         for i in range(ne0):
             xs[i] = 0.01 * ((i % 7) - 3)
         self._graph = base.ggml_new_graph(self._ctx)
-        base.ggml_build_forward_expand(self._graph, base.ggml_mul_mat(self._ctx, w, x))
+        base.ggml_build_forward_expand(self._graph, self._sum_of_slices(w, x, ne0, n_rows, row))
         self._work: dict[int, ctypes.Array[ctypes.c_char]] = {}
+
+    def _sum_of_slices(self, w: int, x: int, ne0: int, n_rows: int, row: int) -> int:
+        """The weights as SLICES matmuls summed: a decode's many small nodes, each a
+        barrier for the compute threads, not one large one (which flatters threads)."""
+        base = self._base
+        slices = max(1, min(SLICES, n_rows))
+        per = n_rows // slices
+        acc = 0
+        for i in range(slices):
+            view = base.ggml_view_2d(self._ctx, w, ne0, per, row, i * per * row)
+            mm = base.ggml_mul_mat(self._ctx, view, x)
+            acc = mm if not acc else base.ggml_add(self._ctx, acc, mm)
+        self.weight_bytes = slices * per * row
+        return acc
 
     def run(self, n_threads: int) -> None:
         plan = self._cpu.ggml_graph_plan(self._graph, n_threads, None)
