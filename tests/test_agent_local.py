@@ -127,3 +127,28 @@ def test_stopping_a_queued_round_leaves_another_clients_turn_running(tmp_path: P
         assert not srv.info()["generating"]
     finally:
         srv.stop()
+
+
+def test_a_round_past_the_context_leaves_old_results_out(tmp_path: Path, tiny_moe: Path) -> None:
+    ws = tmp_path / "project"
+    ws.mkdir()
+    (ws / "big.txt").write_text("".join(f"line {i} of a long file to read\n" for i in range(2000)))
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps([call("read_file", path="big.txt"),
+                                  call("list_files", path="."), "Read it."]))
+    srv = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "4096",
+                       env={"BMOE_AGENT_TEST_SCRIPT": str(script)})
+    try:
+        status, w = api(srv, "POST", "/api/workspaces", {"path": str(ws)})
+        status, conv = api(srv, "POST", "/api/conversations", {"mode": "full", "workspace": w["id"]})
+        cid = conv["id"]
+        api(srv, "POST", f"/api/conversations/{cid}/messages", {"text": "Read big.txt."})
+        conv = wait_idle(srv, cid, timeout=240)
+        assert kinds(conv) == ["user", "assistant", "tool:done", "assistant", "notice",
+                               "tool:done", "assistant"], conv["items"]
+        assert conv["items"][4]["code"] == "compacted" and conv["state"] == "idle"
+        assert conv["items"][-1]["text"] == "Read it."
+        assert "line 1999" in conv["items"][2]["output"]        # the item keeps it whole
+        assert conv["elide_before"] == 3          # the one round before: its result left out
+    finally:
+        srv.stop()

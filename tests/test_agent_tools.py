@@ -191,3 +191,23 @@ def test_preview_policies_are_the_spec_strings() -> None:
     assert preview.policy("auto", True) == preview.POLICY_ON
     assert preview.policy("auto", False) == preview.POLICY_OFF
     assert preview.policy("off", True) == preview.POLICY_OFF
+
+
+def test_compaction_leaves_old_results_out_step_by_step() -> None:
+    conv = cv.new_conversation("t", "full", "w", "local")
+    items = conv["items"]
+    items.append(cv.user_item("go"))
+    for n in range(3):
+        a = cv.assistant_item()
+        a["state"] = "done"
+        t = cv.tool_item(a["id"], f"call_{n}", "read_file")
+        t["state"], t["output"] = "done", f"result {n}"
+        items += [a, t]
+    items.append(cv.assistant_item())                          # the round under way
+    assert cv.compaction_point(conv) == 5                      # keep the last round's result
+    conv["elide_before"] = 5
+    assert [m["content"] for m in cv.to_messages(conv) if m["role"] == "tool"] == \
+        [cv.ELIDED, cv.ELIDED, "result 2"]
+    assert cv.compaction_point(conv) == 7                      # then that one too
+    conv["elide_before"] = 7
+    assert cv.compaction_point(conv) is None

@@ -68,6 +68,18 @@ def is_private(conv: Conv) -> bool:
     return bool(conv.get("workspace")) or conv.get("route", "local") != "local"
 
 
+def compaction_point(conv: Conv) -> int | None:
+    """Where to move `elide_before`: first so that only the last round's results stay
+    whole (the assistant item before the current one), then so that none do (the
+    current one); None when nothing more can be left out."""
+    items, done = conv["items"], conv.get("elide_before", 0)
+    assistants = [i for i, it in enumerate(items) if it["kind"] == "assistant"]
+    for point in assistants[-2:]:
+        if point > done and any(it["kind"] == "tool" for it in items[done:point]):
+            return point
+    return None
+
+
 def recover(conv: Conv) -> bool:
     """After a restart: nothing runs any more. Returns whether anything changed."""
     changed = False
@@ -85,10 +97,15 @@ def recover(conv: Conv) -> bool:
     return changed
 
 
+ELIDED = "(this result was left out to fit the model's context; call the tool again if needed)"
+
+
 def to_messages(conv: Conv) -> list[dict[str, Any]]:
-    """The conversation as chat messages (OpenAI shape, tool calls' arguments as text)."""
+    """The conversation as chat messages (OpenAI shape, tool calls' arguments as text).
+    Tool results of items before `elide_before` are left out (compaction)."""
     out: list[dict[str, Any]] = []
     items = conv["items"]
+    elided = {it["id"] for it in items[: conv.get("elide_before", 0)] if it["kind"] == "tool"}
     calls_of: dict[str, list[Item]] = {}
     for item in items:
         if item["kind"] == "tool":
@@ -107,6 +124,7 @@ def to_messages(conv: Conv) -> list[dict[str, Any]]:
                     "name": c["name"], "arguments": c["arguments"] or "{}"}} for c in calls]
             out.append(msg)
             for c in calls:
-                out.append({"role": "tool", "tool_call_id": c["call_id"],
-                            "content": c.get("output") or f"(the call ended {c['state']})"})
+                text = ELIDED if c["id"] in elided else \
+                    c.get("output") or f"(the call ended {c['state']})"
+                out.append({"role": "tool", "tool_call_id": c["call_id"], "content": text})
     return out

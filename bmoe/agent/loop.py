@@ -131,10 +131,9 @@ class Run:
         system = None
         if not self.svc.chat_only and root is not None:
             system = SYSTEM_PROMPT.format(root=root) + (SYSTEM_READ if conv["mode"] == "read" else "")
-        messages = cv.to_messages(conv)
         # the assistant item just added holds nothing yet: the model answers after the rest
         if conv["route"] == "local":
-            finish = await self.local_round(system, messages[:-1], offered, sink)
+            finish = await self.local_round_fitting(system, offered, sink)
             if finish == "cancelled":      # POST /api/cancel, or the server stopping
                 self.svc.add_item(conv, cv.notice_item("info", "cancelled",
                                                        "The answer was cancelled."))
@@ -144,11 +143,30 @@ class Run:
             if entry is None:
                 raise providers.ProviderError(f"The provider {conv['route']} is no longer saved.")
             key = await trio.to_thread.run_sync(self.svc.providers.key, entry["id"])
+            messages = cv.to_messages(conv)
             result = await providers.complete(entry, key, system, messages[:-1], offered, sink)
             for i, call in enumerate(result.calls):       # the stream's arguments are whole
                 if i < len(sink.calls):
                     sink.calls[i]["arguments"] = call.arguments
         return sink.calls
+
+    async def local_round_fitting(self, system: str | None, offered: list[dict[str, Any]],
+                                  sink: ItemSink) -> str:
+        """A local round; when the conversation no longer fits the context, the results
+        of earlier rounds are left out of what the model sees (the items keep them) and
+        the round is tried again, once per step back, until nothing more can go."""
+        while True:
+            messages = cv.to_messages(self.conv)
+            try:
+                return await self.local_round(system, messages[:-1], offered, sink)
+            except EngineError as e:
+                point = cv.compaction_point(self.conv) if e.code == "context_full" else None
+                if point is None:
+                    raise
+                self.conv["elide_before"] = point
+                self.svc.add_item(self.conv, cv.notice_item(
+                    "info", "compacted", "Earlier tool results were left out of what the "
+                    "model sees, so the conversation fits its context."))
 
     async def local_round(self, system: str | None, messages: list[dict[str, Any]],
                           offered: list[dict[str, Any]], sink: ItemSink) -> str:
@@ -156,7 +174,7 @@ class Run:
             _local_message(m) for m in messages]
         req = TurnRequest(messages=msgs, tools=offered or None, tool_choice="auto",
                           max_tokens=chatreq.budget(None, "max_tokens", self.svc.state.config.values))
-        forced = self.svc.next_test_round()
+        forced = self.svc.test_round()
         if forced is not None:
             req.grammar, req.think = literal_grammar(forced), False
         turn = self.turn = Turn(self.svc.state, req)
@@ -175,6 +193,8 @@ class Run:
 
         try:
             fin: Finished = await drive(turn, emit, "revisable")
+            if forced is not None:
+                self.svc.test_round_done()
         finally:
             turn.close()
             self.turn = None

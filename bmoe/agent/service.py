@@ -255,8 +255,13 @@ class AgentService:
 
     # -- tests ---------------------------------------------------------------------------
 
-    def next_test_round(self) -> str | None:
-        return self._test_script.pop(0) if self._test_script else None
+    def test_round(self) -> str | None:
+        """The next scripted local round (tests only), taken once it has run."""
+        return self._test_script[0] if self._test_script else None
+
+    def test_round_done(self) -> None:
+        if self._test_script:
+            self._test_script.pop(0)
 
 
 def folder_of(path: Any) -> Path:
