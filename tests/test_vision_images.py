@@ -120,3 +120,17 @@ def test_at_most_eight_images_per_message_and_markers_keep_their_places() -> Non
     with pytest.raises(ImageRefused, match="at most 8 images"):
         images.add(one, "messages[0].content[8]", "messages[0]")
     assert ImageSet().nonce != images.nonce
+
+
+def test_add_makes_the_cheap_checks_and_resolve_reads_the_bytes() -> None:
+    images = ImageSet()
+    with pytest.raises(ImageRefused, match="does not fetch"):
+        images.add("https://example.com/a.png", "u", "m0")
+    images.add(url(png_header(8100, 8100)), "big", "m0")       # not decoded yet
+    assert len(images) == 1
+    with pytest.raises(ImageRefused, match="65.6 MP"):
+        images.resolve()
+    ok = ImageSet()
+    ok.add(url(encoded("gif"), "image/gif"), "g", "m0")
+    ok.resolve()
+    assert ok.items[0].format == "gif"

@@ -62,16 +62,25 @@ class ImageSet:
     """The images of one request in order; each leaves a marker at its place in the text.
 
     The marker carries a random nonce, so no text a client writes can stand for an
-    image; the engine splits the rendered prompt at the markers.
+    image; the engine splits the rendered prompt at the markers. `add` makes the cheap
+    checks (a data URL, base64, a type that is an image, the count per message) where
+    the decoder reads the body; `resolve` decodes the base64 and reads the headers, which
+    takes a moment for a large image, so the server runs it in a worker thread.
     """
 
     def __init__(self) -> None:
-        self.items: list[ImageInput] = []
         self.nonce = secrets.token_hex(8)
+        self._raw: list[tuple[str, str]] = []        # (data URL, where)
+        self._items: list[ImageInput] = []
         self._per_message: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self._raw)
+
+    @property
+    def items(self) -> list[ImageInput]:
+        self.resolve()
+        return self._items
 
     def add(self, url: object, where: str, message: str) -> str:
         """Check the data URL at `where` (in `message`) and return its marker."""
@@ -80,8 +89,15 @@ class ImageSet:
             raise ImageRefused(f"A message may carry at most {MAX_IMAGES_PER_MESSAGE} images; "
                                f"`{message}` has more.")
         self._per_message[message] = n
-        self.items.append(read_data_url(url, where))
-        return self.marker(len(self.items) - 1)
+        data_url_head(url, where)          # a str from here on
+        self._raw.append((str(url), where))
+        return self.marker(len(self._raw) - 1)
+
+    def resolve(self) -> None:
+        """Decode and check every image not read yet (`ImageRefused` on the first fault)."""
+        while len(self._items) < len(self._raw):
+            url, where = self._raw[len(self._items)]
+            self._items.append(read_data_url(url, where))
 
     def marker(self, i: int) -> str:
         return f"<bmoe-image-{self.nonce}-{i}>"
@@ -90,8 +106,8 @@ class ImageSet:
         return re.compile(rf"<bmoe-image-{self.nonce}-(\d+)>")
 
 
-def read_data_url(url: object, where: str) -> ImageInput:
-    """The image a data URL carries, its header read and checked (never decoded)."""
+def data_url_head(url: object, where: str) -> tuple[str, str]:
+    """The declared media type and the base64 payload of a data URL (no decoding)."""
     if not isinstance(url, str):
         raise ImageRefused(f"`{where}` must be a string: a data URL of the image.")
     if not url.startswith("data:"):
@@ -107,6 +123,12 @@ def read_data_url(url: object, where: str) -> ImageInput:
     if declared and declared not in _DECLARED:
         raise ImageRefused(f"`{where}` declares {declared[:60]!r}, which is not an image this "
                            f"server reads ({', '.join(FORMATS)}).")
+    return declared, payload
+
+
+def read_data_url(url: object, where: str) -> ImageInput:
+    """The image a data URL carries, its header read and checked (never decoded)."""
+    declared, payload = data_url_head(url, where)
     data = _base64(payload, where)
     fmt = sniff(data)
     if fmt is None:

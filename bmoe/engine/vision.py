@@ -197,6 +197,10 @@ class Vision:
         An image seen before (its hash in `_shapes`) is not decoded again here: its ids
         are known, and it is decoded only if the prefill must encode it."""
         self.release()
+        try:
+            images.resolve()        # done already in the server, in a worker thread
+        except ImageRefused as e:
+            raise EngineError("invalid_request", str(e)) from None
         pattern = images.pattern()
         out = VisionPrompt([])
         pos = 0

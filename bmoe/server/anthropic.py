@@ -38,7 +38,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, turnservice, wire
-from .imageparts import image_part, image_tokens
+from .imageparts import image_part, image_tokens, read_images
 from .shapes import anthropic_error, engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting,
@@ -427,6 +427,7 @@ def block_events(ev: BlockEvent) -> list[bytes]:
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode(body, state.config)
+    await read_images(req.images)
     return await turnservice.serve(state, req, MessagesEncoder(),
                                    streaming=bool(body.get("stream")), http_error=http_error)
 

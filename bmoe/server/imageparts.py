@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.images import ImageRefused, ImageSet, read_data_url
+import trio
+
+from ..engine.images import ImageRefused, ImageSet, data_url_head
 from ..http.errors import invalid_request
 
 
@@ -16,7 +18,7 @@ def image_part(images: ImageSet | None, url: object, where: str, message: str) -
     """
     try:
         if images is None:
-            read_data_url(url, where)
+            data_url_head(url, where)
             return ""
         return images.add(url, where, message)
     except ImageRefused as e:
@@ -34,3 +36,14 @@ def image_tokens(state: Any, images: ImageSet) -> int:
     per = vision.fixed_tokens or vision.max_tokens
     marker = -(-len(images.marker(0).encode()) // 3)
     return max(0, per - marker) * len(images.items)
+
+
+async def read_images(images: ImageSet | None) -> None:
+    """Decode the request's images' base64 and read their headers, in a worker thread
+    (a 64 MiB body would hold the event loop); a refusal is a 400 with the reason."""
+    if not images:
+        return
+    try:
+        await trio.to_thread.run_sync(images.resolve)
+    except ImageRefused as e:
+        raise invalid_request(str(e)) from None

@@ -16,7 +16,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, choices, turnservice, wire
-from .imageparts import image_part
+from .imageparts import image_part, read_images
 from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Ping, ReasoningDelta, Reset, Shape, Started,
@@ -279,6 +279,7 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     body = request.json_object()
     chatreq.refuse_lone_surrogates(body)
     req = decode(body, state.config)
+    await read_images(req.images)
     opts = body.get("stream_options") or {}
     include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
     n = choices.read_n(body)

@@ -39,7 +39,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_comment, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, turnservice, wire
-from .imageparts import image_part
+from .imageparts import image_part, read_images
 from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Opened, Ping, Shape, Started, Stopped, TurnEvent,
@@ -483,5 +483,6 @@ class ResponsesEncoder:
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode(body, state.config)
+    await read_images(req.images)
     return await turnservice.serve(state, req, ResponsesEncoder(_echo(body, req)),
                                    streaming=bool(body.get("stream")), http_error=http_error)
