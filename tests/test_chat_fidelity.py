@@ -182,7 +182,8 @@ def test_json_object_and_top_level_schema(server: ServerProcess) -> None:
         {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
      "invalid_request"),
     ({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"}}]}]},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+         "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"}}]}]},
      "no_vision"),
     ({"max_completion_tokens": 1.5}, "invalid_request"),
     ({"think": "yes"}, "invalid_request"),
