@@ -355,7 +355,8 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
               f"{n}: the thread count with the fastest matmul "
               f"({rate_text(inp.compute.rate())}).",
               f"llama.cpp's matmul on this model's {inp.compute.type_name} weights, by "
-              f"thread count: {rates}. Fewer threads win when within 3 %.")
+              f"thread count: {rates}. Fewer threads win unless more are 15 % faster: on a "
+              "shared machine every extra thread can stall a decode at each node.")
     else:
         b.add("threads", inp.values.get("threads"), "unprobed", "Kept: the matmul could "
               "not be measured.", inp.compute.reason)

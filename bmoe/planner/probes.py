@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,9 @@ STORAGE_MIN_BLOCK = 64 * 1024
 STORAGE_MAX_BLOCK = 8 * MIB
 COMPUTE_SECONDS_PER_COUNT = 0.3    # each thread count multiplies for this long
 COMPUTE_WEIGHT_BYTES = 16 * MIB    # weights per matmul: more than a CPU's caches
-COMPUTE_CLOSE = 0.97               # fewer threads win when within 3 % of the best
+COMPUTE_ROUNDS = 3                 # each thread count is measured this often, interleaved
+COMPUTE_CLOSE = 0.87               # fewer threads win unless more are 15 % faster: on a
+                                   # shared machine each extra thread can stall a decode
 
 
 @dataclass
@@ -431,11 +434,15 @@ def probe_compute(facts: ModelFacts, threads: tuple[int, ...] | None = None,
         return ComputeFacts(reason="the model's weights could not be read "
                             f"({e.strerror or 'input/output error'})")
     out = ComputeFacts(type_name=bench.type_name)
+    counts = threads or thread_candidates()
+    runs: dict[int, list[float]] = {n: [] for n in counts}
     try:
-        for n in threads or thread_candidates():
-            if cancel is not None and cancel.is_set():
-                break
-            out.rates[n] = bench.rate(n, seconds)
+        for _ in range(COMPUTE_ROUNDS):       # interleaved, so a quiet moment favours none
+            for n in counts:
+                if cancel is not None and cancel.is_set():
+                    break
+                runs[n].append(bench.rate(n, seconds / COMPUTE_ROUNDS))
+        out.rates = {n: statistics.median(r) for n, r in runs.items() if r}
     except MatmulUnavailable as e:
         out.rates.clear()
         out.reason = str(e)
