@@ -21,8 +21,9 @@ JSON_TYPE: dict[str, type | tuple[type, ...]] = {
     "bool": bool, "int": int, "float": float, "path": str, "text": str, "choice": str}
 
 EXPECTED_ROWS = [
-    "model", "n-predict", "think", "ctx-size", "threads", "threads-batch", "temp",
-    "top-k", "top-p", "seed", "moe-stream", "io-threads", "o-direct", "cache-mb",
+    "model", "mmproj", "image-max-tokens", "n-predict", "think", "ctx-size", "threads",
+    "threads-batch", "temp", "top-k", "top-p", "seed", "moe-stream", "io-threads",
+    "o-direct", "cache-mb",
     "cache-floor-mb", "cache-ceil-mb", "dense-weights", "force-cache", "load-all",
     "decide"]
 

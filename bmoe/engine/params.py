@@ -173,6 +173,18 @@ def _rows() -> tuple[Param, ...]:
              "The GGUF model file to load.",
              "Choose it from the model list; a change takes effect at the next load.",
              "", short="-m"),
+        _row("mmproj", "Image projector", "path", "model", "advanced",
+             "The projector (mmproj GGUF) that lets the model read images.",
+             "Empty pairs the model with the projector in its folder whose header names "
+             "the same model; name a file here to choose one yourself.",
+             ""),
+        _row("image-max-tokens", "Image tokens", "int", "model", "advanced",
+             "The most tokens one image may take, for a projector whose count follows "
+             "the image's size.",
+             "Lower it where image tokens prefill slowly: the projector sizes the image "
+             "down to fit. 0 keeps the projector's own cap; a fixed-size projector "
+             "ignores it.",
+             0, min=0, max=65536, unit="tokens", special=(Named(0, "the projector's own"),)),
         _row("n-predict", "Max tokens", "int", "generation", "basic",
              "The most tokens one answer may take.",
              "Lower it to cut long answers short; 0 lets an answer run until the context "

@@ -16,7 +16,7 @@ from ..http.sse import sse_comment, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from ..server.config import OutsideModelsDir, confine_model_path
 from . import decide, openai_chat, wire, ws
-from . import llama_compat, models_routes
+from . import llama_compat, models_routes, plan_routes
 from .state import ServerState
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
@@ -49,7 +49,10 @@ def build_routes(state: ServerState) -> RouteTable:
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
     add("POST", "/v1/responses", responses.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
     models_routes.register(table, state)
+    plan_routes.register(table, state)
     llama_compat.register(table, state)  # llama-server's routes (/completion, /props, ...)
+    from ..agent import api as agent_api  # the agent's conversations, workspaces, providers
+    agent_api.register(table, state)
     return table
 
 
@@ -106,7 +109,8 @@ async def models(state: ServerState, request: Request) -> Response:
     info = state.model_info()
     if info is not None:
         data.append({"id": info["name"], "object": "model", "owned_by": "local",
-                     "created": 0, "modalities": ["text"]})
+                     "created": 0, "modalities": ["text", "image"] if info["vision"]
+                     else ["text"]})
     return Response.json({"object": "list", "data": data})
 
 
@@ -125,7 +129,13 @@ async def get_config(state: ServerState, request: Request) -> Response:
 
 
 async def put_config(state: ServerState, request: Request) -> Response:
-    body = wire.parse(wire.ConfigBody, request.json_object())
+    raw = request.json_object()
+    body = wire.parse(wire.ConfigBody, raw)
+    auto = raw.get("auto_plan")
+    if auto is not None and not isinstance(auto, bool):
+        raise invalid_request("`auto_plan` must be true or false.")
+    if auto is not None:
+        await trio.to_thread.run_sync(state.config.set_auto_plan, auto)
     put = partial(state.config.put, dict(body.values), list(body.reset),
                   peer_is_local=request.peer_is_loopback, model_dirs=model_dirs(state),
                   models_only=state.options.models_only, loaded_values=state.loaded_values)

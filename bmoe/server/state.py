@@ -128,7 +128,9 @@ class ServerState:
             "path": str(s.path), "name": s.path.name, "arch": s.arch, "n_ctx": s.n_ctx,
             "n_expert_used": s.n_expert_used, "think_ctl": "template" if s.template else "none",
             "load_s": round(s.load_s, 3), "streaming": s.streamer is not None,
-            "vision": False, "projector": "", "compute_threads": s.compute_threads,
+            "vision": s.vision is not None,
+            "projector": s.vision.projector.name if s.vision is not None else "",
+            "compute_threads": s.compute_threads,
             "busy_threads": s.compute_threads, "ctx_advice": self.ctx_advice(),
         }
 
@@ -235,7 +237,7 @@ class ServerState:
 
     async def require_session(self) -> Session:
         """The loaded session; waits through a load; 503 no_model when nothing is loaded."""
-        while self.state == "loading":
+        while self.state in ("loading", "planning"):   # an auto load measures first
             await self._changed.wait()
         if self.session is None or self.state != "ready":
             raise HTTPError(503, "no_model", "No model is loaded. Load one with "

@@ -9,8 +9,10 @@ import { Chat } from './chat.js';
 import { MetricsView } from './metricsview.js';
 import { SettingsView } from './settingsview.js';
 import { ModelsView } from './modelsview.js';
+import { PlanView } from './planview.js';
+import { AgentView } from './agentview.js';
 
-const VIEWS = ['chat', 'settings', 'models'];
+const VIEWS = ['chat', 'settings', 'models', 'plan', 'agent'];
 
 class App {
   constructor() {
@@ -20,7 +22,9 @@ class App {
     this.metrics = new MetricsView();
     this.models = new ModelsView({ api: this.api });
     this.settings = new SettingsView({ api: this.api, onLoadAgain: () => this.models.loadAgain().catch(() => this.show('models')) });
+    this.plan = new PlanView({ api: this.api });
     this.chat = new Chat({ api: this.api, renderer: createRenderer(window) });
+    this.agent = new AgentView({ api: this.api, renderer: createRenderer(window) });
     for (const tab of document.querySelectorAll('.tab[data-view]')) {
       tab.addEventListener('click', () => this.show(tab.dataset.view));
     }
@@ -38,6 +42,7 @@ class App {
       tab.setAttribute('aria-selected', String(v === view));
     }
     document.body.dataset.current = view;
+    if (view === 'plan' && this.plan) this.plan.open();
     if (location.hash.slice(1) !== view) history.replaceState(null, '', `#${view}`);
   }
 
@@ -61,10 +66,16 @@ class App {
     byId('forget-key').hidden = !this.api.key;
     this.events = new EventStream(this.api, (name, data) => this.onEvent(name, data), (s) => this.onConnection(s));
     this.events.start();
+    this.agent.start();
   }
 
   onEvent(name, data) {
     switch (name) {
+      case 'conversation':
+      case 'item':
+      case 'delta':
+        this.agent.onEvent(name, data);
+        break;
       case 'state':
         this.onState(data);
         break;
@@ -86,6 +97,7 @@ class App {
         break;
       case 'plan_progress':
         this.models.planProgress(data);
+        this.plan.progressEvent(data);
         break;
       case 'log':
         this.models.addLog(data);
@@ -152,6 +164,8 @@ class App {
   }
 
   onConnection(s) {
+    if (s.state === 'live' && this.wasLive === false) this.agent.resync();
+    if (s.state === 'live' || this.wasLive) this.wasLive = s.state === 'live';
     const el = byId('conn');
     el.dataset.state = s.state;
     if (s.state === 'live') el.textContent = 'live';
