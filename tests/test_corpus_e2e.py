@@ -219,7 +219,6 @@ def chat_cases() -> list[Case]:
                                         "response_format": {"type": "json_object"}},
         "named tool not among tools": {"tools": [TOOL], "tool_choice": {"type": "function",
                                                                        "function": {"name": "g"}}},
-        "n=2 streaming": {"n": 2, "stream": True},
         "nine images": {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * 9}]},
     }.items():
@@ -237,6 +236,7 @@ def chat_cases() -> list[Case]:
             "schema": {"type": "object", "properties": {"a": {"type": 7}, "b": {"enum": 1},
                                                           "c": {"$ref": "#/nope"}}}}}},
         "huge tool name": {"tools": [{"type": "function", "function": {"name": "f" * 100_000}}]},
+        "n=2 streaming": {"n": 2, "stream": True},    # n choices: answered one after another
     }.items():
         cases.append(body_case(cat, "POST", CHAT, name, {**CHAT_BASE, **extra}, strict=False))
     cases += [body_case(cat, "POST", CHAT, f"body {b[:12]!r}", b) for b in NOT_OBJECTS]
