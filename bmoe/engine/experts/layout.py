@@ -19,6 +19,7 @@ import gguf
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+_ROUTER_NAME = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Layout:
     n_expert_used: int
     experts: tuple[ExpertTensor, ...]
     dense: tuple[tuple[int, int], ...]   # (offset, nbytes) of every other tensor
+    # blk.<l>.ffn_gate_inp.weight: (layer, offset, nbytes, ggml type, n_expert, n_embd)
+    routers: tuple[tuple[int, int, int, int, int, int], ...] = ()
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -112,9 +115,14 @@ def _layout_of(path: Path, reader: gguf.GGUFReader) -> Layout:
     n_used = int(_field(reader, f"{arch}.expert_used_count") or 0)
     experts: list[ExpertTensor] = []
     dense: list[tuple[int, int]] = []
+    routers: list[tuple[int, int, int, int, int, int]] = []
     for t in reader.tensors:
         m = _EXPERT_NAME.match(t.name)
         n_bytes, offset = int(t.n_bytes), int(t.data_offset)
+        r = _ROUTER_NAME.match(t.name)
+        if r is not None and len(t.shape) == 2:
+            routers.append((int(r.group(1)), offset, n_bytes, int(t.tensor_type),
+                            int(t.shape[1]), int(t.shape[0])))
         if m is None or len(t.shape) != 3:
             dense.append((offset, n_bytes))
             continue
@@ -131,7 +139,7 @@ def _layout_of(path: Path, reader: gguf.GGUFReader) -> Layout:
     return Layout(path=path, file_size=path.stat().st_size, arch=arch,
                   n_layer=(max(t.layer for t in experts) + 1) if experts else 0,
                   n_expert=n_expert, n_expert_used=n_used, experts=tuple(experts),
-                  dense=tuple(sorted(dense)))
+                  dense=tuple(sorted(dense)), routers=tuple(sorted(routers)))
 
 
 def has_experts(path: str | os.PathLike[str]) -> bool:

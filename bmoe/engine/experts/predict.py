@@ -11,7 +11,7 @@ activation-aware prefetching in MoE-Infinity (Xue et al., 2024); `depth` N appli
 routers of l+1 .. l+N to the same h. Only the `k` most probable experts whose probability
 is at least `spec-gate` are guessed, the most probable first.
 
-Router weights are read once from the GGUF file (F32, F16 or BF16; a quantised router
+Router weights are read once from the GGUF file (F32 or F16; a quantised router
 falls back to the previous token's routing of that layer, as does a graph whose router
 input cannot be found). The cost is one [n_expert, n_embd] matrix-vector product per
 guessed layer, in numpy on the engine thread.
@@ -23,42 +23,32 @@ wrong, to check that wrong guesses only cost bandwidth.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
+import os
 
-import gguf
 import numpy as np
 
 from . import ggml
+from .layout import Layout
 
-_FLOAT_TYPES = {
-    gguf.GGMLQuantizationType.F32: np.float32,
-    gguf.GGMLQuantizationType.F16: np.float16,
-}
+_FLOAT_TYPES = {0: np.float32, 1: np.float16}     # GGML_TYPE_F32, GGML_TYPE_F16
 
 
-def read_routers(path: Path, n_layer: int) -> dict[int, np.ndarray]:
+def read_routers(layout: Layout) -> dict[int, np.ndarray]:
     """layer -> router weights [n_expert, n_embd] float32 (layers with a float router)."""
-    reader = gguf.GGUFReader(path)
     out: dict[int, np.ndarray] = {}
+    fd = os.open(layout.path, os.O_RDONLY)
     try:
-        for t in reader.tensors:
-            parts = t.name.split(".")
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] != "ffn_gate_inp":
+        for layer, offset, nbytes, ggml_type, n_expert, n_embd in layout.routers:
+            dtype = _FLOAT_TYPES.get(ggml_type)
+            if dtype is None or layer >= layout.n_layer:
                 continue
-            layer = int(parts[1])
-            if layer >= n_layer or t.tensor_type not in _FLOAT_TYPES or len(t.shape) != 2:
+            raw = os.pread(fd, nbytes, offset)
+            w = np.frombuffer(raw, dtype=dtype)
+            if w.size != n_expert * n_embd:
                 continue
-            w = np.array(t.data, dtype=np.float32)            # a copy: the map closes
-            out[layer] = np.ascontiguousarray(w.reshape(int(t.shape[1]), int(t.shape[0])))
+            out[layer] = w.astype(np.float32).reshape(n_expert, n_embd)
     finally:
-        mm = getattr(reader.data, "_mmap", None)
-        reader.tensors.clear()
-        del reader.data
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass
+        os.close(fd)
     return out
 
 

@@ -180,13 +180,16 @@ class ExpertStreamer:
         if self.budget.mode == "all":
             self._load_all()
         elif self.prefetch and isinstance(self.cache, ExpertCache):
-            self._start_prefetch()
+            if self.budget.bytes < self.layout.expert_bytes:
+                self._start_prefetch()
+            else:           # once read, every expert stays: guessing would only cost
+                self.load_info["predictor"] = "off: every expert fits the cache"
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
 
     def _start_prefetch(self) -> None:
         assert self.reader is not None
         n_layer = self.layout.n_layer
-        routers = read_routers(self.path, n_layer)
+        routers = read_routers(self.layout)
         self.predictor = Predictor(routers, n_layer, self.layout.n_expert_used, self.prefetch,
                                    self.spec_gate)
         self._spec = np.zeros((n_layer, self.layout.n_expert), dtype=bool)
@@ -284,7 +287,7 @@ class ExpertStreamer:
         if self.record_routing and n == 1:
             self._route_row[layer] = ids[0]
         self.ensure(layer, np.unique(ids))
-        if self.predictor is not None and n == 1 and not self._in_prefill:
+        if self.predictor is not None and n == 1:
             self.predictor.last[layer] = ids[0].astype(np.int64)
             self._read_ahead(layer, router_input(tt, layer))
 
@@ -380,7 +383,7 @@ class ExpertStreamer:
         assert self.predictor is not None and self.queue is not None
         assert isinstance(self.cache, ExpertCache)
         t0 = time.perf_counter()
-        c = self._token
+        c = self._turn if self._in_prefill else self._token
         groups = []
         for j, guess in self.predictor.guesses(layer, h):
             self._guess[j] = guess
