@@ -237,3 +237,17 @@ def test_the_default_curve_is_stated() -> None:
     assert default_hit_rate(100, 1000, 200) == 0.0          # below one token cycle
     assert default_hit_rate(250, 1000, 100) == pytest.approx(0.5)
     assert default_hit_rate(2000, 1000, 100) == 1.0
+
+
+def test_a_busy_machine_gets_the_cores_other_programs_leave_free() -> None:
+    busy = ComputeFacts(rates={1: 4 * GIB, 2: 14 * GIB}, type_name="f16", cores=2, load=5.0)
+    values = params.defaults(server=True)
+    body = make_plan(PlanInputs(moe_facts(), memory(2 * GIB), STORAGE, busy, values,
+                                [])).to_json()
+    threads = {d["knob"]: d for d in body["decisions"]}["threads"]
+    assert threads["value"] == 1 and body["values"]["threads"] == 1
+    assert "load average 5.0 on 2 cores" in threads["brief"]
+    quiet = ComputeFacts(rates={1: 4 * GIB, 2: 14 * GIB}, type_name="f16", cores=2, load=0.5)
+    body = make_plan(PlanInputs(moe_facts(), memory(2 * GIB), STORAGE, quiet, values,
+                                [])).to_json()
+    assert body["values"]["threads"] == 2

@@ -348,6 +348,17 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
                   f"experts {size_text(p.expert_bytes)}.")
     if b.user("threads"):
         b.operator("threads")
+    elif inp.compute.rates and _busy(inp.compute):
+        c = inp.compute
+        n = max(k for k in c.rates if k <= c.spare_cores) if any(
+            k <= c.spare_cores for k in c.rates) else min(c.rates)
+        b.add("threads", n, "measured",
+              f"{n}: the cores other programs leave free (load average {c.load:.1f} on "
+              f"{c.cores} cores).",
+              f"The matmul alone was fastest at {c.best_threads} threads, but the machine "
+              f"is busy (load average {c.load:.1f} on {c.cores} cores): a compute thread "
+              "another program deschedules stalls the others at every node of a decode, "
+              "which made two threads 2-20x slower than one in bench/plan_accuracy.py.")
     elif inp.compute.rates:
         n = inp.compute.best_threads
         rates = ", ".join(f"{k}: {rate_text(v)}" for k, v in sorted(inp.compute.rates.items()))
@@ -387,6 +398,11 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
     b.add("memory-ledger", budget, "measured" if budget else "unprobed",
           f"{size_text(budget)} this process may hold.", inp.memory.figures()[
               "memory-budget"].text)
+
+
+def _busy(c: ComputeFacts) -> bool:
+    """More threads measured best than the cores other programs leave free."""
+    return bool(c.cores) and c.best_threads > c.spare_cores
 
 
 def _decide_ctx(b: _Builder, regime: str, ctx: int, kv_tok: int) -> None:

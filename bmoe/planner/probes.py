@@ -378,6 +378,17 @@ class ComputeFacts:
     rates: dict[int, float] = field(default_factory=dict)    # threads -> weight bytes/s
     type_name: str = ""
     reason: str = ""
+    cores: int = 0                 # the cores this process may use
+    load: float = 0.0              # the 1-minute load average when measured
+
+    @property
+    def spare_cores(self) -> int:
+        """The cores other programs leave free: all of them on a quiet machine, fewer as
+        the load average passes the core count (at least one)."""
+        if not self.cores:
+            return 0
+        busy = max(0.0, self.load - 1.0)          # this process's own probe is one
+        return max(1, min(self.cores, int(self.cores - busy + 0.5)))
 
     @property
     def best_threads(self) -> int:
@@ -408,7 +419,8 @@ class ComputeFacts:
     def to_json(self) -> dict[str, Any]:
         return {"type": self.type_name, "best_threads": self.best_threads,
                 "rates": {str(k): round(v) for k, v in sorted(self.rates.items())},
-                "reason": self.reason}
+                "cores": self.cores, "load": round(self.load, 2),
+                "spare_cores": self.spare_cores, "reason": self.reason}
 
 
 def thread_candidates(limit: int | None = None) -> tuple[int, ...]:
@@ -433,7 +445,8 @@ def probe_compute(facts: ModelFacts, threads: tuple[int, ...] | None = None,
     except OSError as e:
         return ComputeFacts(reason="the model's weights could not be read "
                             f"({e.strerror or 'input/output error'})")
-    out = ComputeFacts(type_name=bench.type_name)
+    out = ComputeFacts(type_name=bench.type_name, cores=max(thread_candidates()),
+                       load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
     counts = threads or thread_candidates()
     runs: dict[int, list[float]] = {n: [] for n in counts}
     try:
