@@ -1,6 +1,6 @@
 """Expert streaming against llama.cpp on mmap, under a memory cap smaller than the model.
 
-    sudo /work/venv/bin/python bench/stream_vs_mmap.py      # 3 minutes here, 5 when busy
+    sudo .venv/bin/python bench/stream_vs_mmap.py --dir DIR --threads 1    # 4-6 minutes here
 
 Writes a benchmark MoE with the model maker (default: qwen3moe 24 layers x 64 experts,
 top-4, F16, 4.6 GiB, router skew and local context so routing looks like real text),

@@ -251,6 +251,26 @@ def _rows() -> tuple[Param, ...]:
              "cache). Turn it off only to measure; where a file system refuses direct "
              "reads the engine falls back to buffered ones and says so.",
              True, switches=(Switch("--no-odirect", False),)),
+        _row("prefetch", "Read-ahead", "int", "streaming", "advanced",
+             "Reads the experts of the next layers before their routers pick them.",
+             "After each layer the engine guesses the next N layers' experts (their "
+             "routers applied to this layer's hidden state) and reads the guesses it "
+             "lacks behind the real reads; a wrong guess costs bandwidth, never a wrong "
+             "answer. 1 guesses the next layer only; 0 turns it off. Needs a cache "
+             "smaller than the experts (once every expert fits, guessing only costs).",
+             0, server_default=2, min=0, max=8, special=(Named(0, "off"),)),
+        _row("spec-gate", "Read-ahead threshold", "float", "streaming", "advanced",
+             "The least router probability a guessed expert needs to be read ahead.",
+             "Raise it to read ahead only confident guesses (less bandwidth wasted, "
+             "fewer experts ready in time); 0 reads the top guesses whatever their "
+             "probability.",
+             0.0, min=0.0, max=1.0),
+        _row("overlap", "Overlap reads", "bool", "streaming", "advanced",
+             "Lets read-ahead run while the model computes.",
+             "Off, each layer also waits for its read-ahead (the reads are still "
+             "batched); on, compute goes on while the lanes read, and only the time a "
+             "layer waits for its own experts is lost (stall).",
+             False, server_default=True),
         _row("cache-mb", "Expert cache", "int", "cache", "basic",
              "The memory that keeps experts once read.",
              "More cache reads less from storage, but below one token cycle (the bytes "
@@ -261,6 +281,14 @@ def _rows() -> tuple[Param, ...]:
              "experts; 0 turns it off.",
              0, server_default=AUTO, accepts_auto=True, min=0, unit="MiB",
              typical=(1500, 8192), special=(Named(0, "off"),)),
+        _row("cache-policy", "Cache policy", "choice", "cache", "advanced",
+             "Which cached expert gives way when the cache is full.",
+             "next-use keeps the experts expected to be routed soonest (frequent ones, "
+             "of the layers coming next); lru keeps the most recently used, as before; "
+             "lfu the most frequently used.",
+             "next-use", choices=(Named("next-use", "expected next use"),
+                                  Named("lru", "least recently used"),
+                                  Named("lfu", "least frequently used"))),
         _row("cache-floor-mb", "Cache: RAM to leave", "int", "cache", "advanced",
              "Memory an auto-sized cache leaves to the system and other programs.",
              "Raise it if the machine swaps with the model loaded; each MiB left is a "

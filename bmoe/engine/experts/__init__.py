@@ -2,14 +2,16 @@
 
 llama.cpp computes; this package owns residency. It captures the expert tensors at
 load, reads the experts each layer's router picks (in llama.cpp's graph-eval callback,
-before the layer's expert matmuls) and keeps the hot ones in one LRU cache of a known
-byte budget. See docs/expert-cache.md for the design as built, and `streamer` for its
-theory of operation.
+before the layer's expert matmuls), reads ahead the experts the next layers' routers
+are expected to pick, and keeps the hot ones in one cache of a known byte budget. See
+docs/expert-cache.md for the design as built, and `streamer` for its theory of operation.
 
 Modules: `layout` (the GGUF header: where the experts are), `ggml` (the ctypes mirror of
-`struct ggml_tensor`), `memory` (anonymous buffers, llama.cpp's file mapping), `reader`
-(O_DIRECT reads over parallel lanes), `cache` (the numpy LRU), `budget` (cache-mb and
-auto), `streamer` (the session's Streamer).
+`struct ggml_tensor`), `memory` (anonymous buffers, llama.cpp's file mapping),
+`nopopulate` (a load that reads no experts), `reader` (O_DIRECT reads over parallel
+lanes, and their priority queue), `cache` (the numpy cache and its policies), `predict`
+(the next layers' guesses), `budget` (cache-mb and auto), `streamer` (the session's
+Streamer).
 """
 
 from __future__ import annotations
