@@ -128,6 +128,8 @@ class ServerState:
             "path": str(s.path), "name": s.path.name, "arch": s.arch, "n_ctx": s.n_ctx,
             "n_expert_used": s.n_expert_used, "think_ctl": "template" if s.template else "none",
             "load_s": round(s.load_s, 3), "streaming": s.streamer is not None,
+            "overlap": getattr(s.streamer, "queue", None) is not None
+            and bool(getattr(s.streamer, "overlap", False)),
             "vision": s.vision is not None,
             "projector": s.vision.projector.name if s.vision is not None else "",
             "compute_threads": s.compute_threads,
@@ -136,7 +138,7 @@ class ServerState:
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "version": __version__, "overlap_available": False, "planner_available": self.planner is not None,
+            "version": __version__, "overlap_available": True, "planner_available": self.planner is not None,
             "host": {"ram_total_mib": round(_ram_total_mib()),
                      "ram_available_mib": round(mem_available_mib()),
                      "cpu_threads": os.cpu_count() or 1},
