@@ -18,7 +18,9 @@ The cost model prices one decoded token: compute = the bytes a token multiplies 
 weights but the embedding table, plus one token cycle of experts) at the measured matmul
 rate, plus the streamer's per-layer overhead; reads = the token cycle's misses at the
 hit rate the cache earns (the model's own LRU curve from its routing record, else the
-stated default curve) at the measured read rate of the chosen lanes. After a complete
+stated default curve) at the measured read rate of the chosen lanes, added to the
+compute, or beside it (the larger of the two) when read-ahead overlaps reads with
+compute. After a complete
 turn the server records what decode really cost; the next plan of that configuration
 prices with the measurement and says so in a ``decode-cost`` note.
 """
@@ -457,7 +459,11 @@ def _predict(b: _Builder, regime: str, cache: int, budget: int,
         compute += STREAM_LAYER_S * p.n_moe_layer
         hit, source, text = _hit(b, cache)
         b.add("hit-curve", round(hit * 100, 1), source, text)
-        s = compute + (p.token_cycle_bytes * (1 - hit) / rate_s if rate_s else 0.0)
+        io = p.token_cycle_bytes * (1 - hit) / rate_s if rate_s else 0.0
+        settings = {**inp.values, **b.values}
+        overlap = bool(settings.get("overlap")) and int(settings.get("prefetch") or 0) > 0
+        # with read-ahead overlapped, a layer's reads run beside the layers computing
+        s = max(compute, io) if overlap else compute + io
         out["cache_hit_pct"] = round(hit * 100, 1)
     elif regime == "plain mmap":
         held = max(0.0, min(1.0, (budget - RUNTIME_RESERVE) / whole)) if whole else 1.0
