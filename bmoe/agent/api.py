@@ -23,6 +23,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.routes import RouteTable
 from ..http.types import Request, Response
 from ..server import wire
+from . import clients
 from . import conversation as cv
 from . import preview
 from .paths import OutsideWorkspace, ToolError, resolve
@@ -31,8 +32,6 @@ from .service import AgentService, busy, folder_of, not_found
 
 Handler = Callable[[AgentService, Request], Awaitable[Response]]
 TEXT_MAX_CHARS = 1_000_000        # a message's text
-OTHER_AGENTS = [("claude-code", "Claude Code", "claude"), ("codex", "Codex CLI", "codex"),
-                ("opencode", "opencode", "opencode")]   # listed with whether installed
 
 
 class NewConversation(wire.Wire):
@@ -114,8 +113,9 @@ def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
 async def get_agent(svc: AgentService, request: Request) -> Response:
     has_tools = not svc.chat_only
     agents = [{"id": "bmoe", "name": "bmoe's agent", "builtin": True, "installed": True}]
-    agents += [{"id": aid, "name": name, "builtin": False, "program": prog,
-                "installed": shutil.which(prog) is not None} for aid, name, prog in OTHER_AGENTS]
+    others = await trio.to_thread.run_sync(clients.catalog)
+    agents += [{"id": c["id"], "name": c["name"], "builtin": False, "program": c["program"],
+                "installed": shutil.which(c["program"]) is not None} for c in others]
     return Response.json({"tools": has_tools,
                           "commands": has_tools and shutil.which("sh") is not None,
                           "agents": agents, "mcp": []})
@@ -345,6 +345,57 @@ async def delete_provider(svc: AgentService, request: Request) -> Response:
     return Response.json({"deleted": True})
 
 
+# -- other coding agents (clients) --------------------------------------------------------
+
+_connect_lock = trio.Lock()      # one settings rewrite at a time
+
+
+async def list_clients(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    return Response.json({"clients": await trio.to_thread.run_sync(clients.listing)})
+
+
+async def connect_client(svc: AgentService, request: Request) -> Response:
+    """Write the client's own settings so it uses this server (`409 conflict` when the
+    file is one we will not rewrite: it is left byte for byte as it was)."""
+    require_local(request)
+    request.json()
+    entry = clients.find(request.path_params["id"])
+    if entry is None:
+        raise not_found("client")
+    info = svc.state.model_info()
+    if info is None:
+        raise HTTPError(409, "conflict", "No model is loaded: load one first, so the client "
+                        "has a model to use.")
+    target = clients.Target(base_url=_base_url(request), model=str(info["name"]),
+                            n_ctx=int(info["n_ctx"]), key=_request_key(request))
+    async with _connect_lock:
+        try:
+            result = await trio.to_thread.run_sync(clients.connect, entry, target)
+        except clients.Unmergeable as e:
+            raise HTTPError(409, "conflict", f"{e.message} The file was left as it is: fix it "
+                            "or move it away, then connect again.") from None
+        except OSError:
+            raise HTTPError(409, "conflict", f"{entry['name']}'s settings could not be "
+                            "written here (a folder that cannot be created?).") from None
+    return Response.json(result)
+
+
+def _base_url(request: Request) -> str:
+    host, port = request.local[0], request.local[1]
+    if host.startswith("::ffff:"):
+        host = host[7:]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _request_key(request: Request) -> str | None:
+    """The server's key, as the request carried it (the access check has compared it)."""
+    auth = request.header("authorization") or ""
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return auth[7:].strip()
+    return (request.header("x-api-key") or "").strip() or None
+
+
 ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("GET", "/api/agent", get_agent, False),
     ("GET", "/api/conversations", list_conversations, False),
@@ -363,4 +414,6 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("GET", "/api/providers", list_providers, True),
     ("PUT", "/api/providers/{id}", put_provider, True),
     ("DELETE", "/api/providers/{id}", delete_provider, True),
+    ("GET", "/api/clients", list_clients, True),
+    ("POST", "/api/connect/{id}", connect_client, True),
 ]
