@@ -258,7 +258,7 @@ def _rows() -> tuple[Param, ...]:
              "lacks behind the real reads; a wrong guess costs bandwidth, never a wrong "
              "answer. 1 guesses the next layer only; 0 turns it off. Needs a cache "
              "smaller than the experts (once every expert fits, guessing only costs).",
-             0, server_default=2, min=0, max=8, special=(Named(0, "off"),)),
+             0, min=0, max=8, special=(Named(0, "off"),)),
         _row("spec-gate", "Read-ahead threshold", "float", "streaming", "advanced",
              "The least router probability a guessed expert needs to be read ahead.",
              "Raise it to read ahead only confident guesses (less bandwidth wasted, "
@@ -270,7 +270,7 @@ def _rows() -> tuple[Param, ...]:
              "Off, each layer also waits for its read-ahead (the reads are still "
              "batched); on, compute goes on while the lanes read, and only the time a "
              "layer waits for its own experts is lost (stall).",
-             False, server_default=True),
+             False),
         _row("cache-mb", "Expert cache", "int", "cache", "basic",
              "The memory that keeps experts once read.",
              "More cache reads less from storage, but below one token cycle (the bytes "
