@@ -25,7 +25,7 @@ from ..http.types import Request, Response
 from ..server import wire
 from . import clients
 from . import conversation as cv
-from . import preview
+from . import preview, skills
 from .paths import OutsideWorkspace, ToolError, resolve
 from .providers import check_entry
 from .service import AgentService, busy, folder_of, not_found
@@ -39,6 +39,7 @@ class NewConversation(wire.Wire):
     mode: StrictStr | None = None
     workspace: StrictStr | None = None
     route: StrictStr | None = None
+    skills: list[StrictStr] | None = None
 
 
 class MessageBody(wire.Wire):
@@ -53,6 +54,18 @@ class ApprovalBody(wire.Wire):
 
 class WorkspaceBody(wire.Wire):
     path: StrictStr
+
+
+class SkillBody(wire.Wire):
+    name: StrictStr
+    description: StrictStr
+    body: StrictStr = ""
+    files: dict[StrictStr, StrictStr] | None = None
+
+
+class SkillChange(wire.Wire):
+    description: StrictStr | None = None
+    body: StrictStr | None = None
 
 
 class ProviderBody(wire.Wire):
@@ -79,12 +92,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preview-network", choices=preview.CHOICES, default="auto",
                    help="whether a previewed workspace page may load from https "
                         "(auto: on when listening on loopback only)")
+    p.add_argument("--skills-dir", type=Path, default=None, metavar="DIR",
+                   help="the folder of bundled skills (default: the ones shipped with bmoe)")
 
 
 def attach(state: Any, args: argparse.Namespace) -> None:
     state.agent = AgentService(state, state.options.data_dir,
                                chat_only=bool(getattr(args, "chat_only", False)),
-                               preview_network=getattr(args, "preview_network", "auto"))
+                               preview_network=getattr(args, "preview_network", "auto"),
+                               skills_dir=getattr(args, "skills_dir", None))
 
 
 async def run(state: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -135,6 +151,7 @@ def _whole(svc: AgentService, conv: cv.Conv) -> dict[str, Any]:
     out = dict(conv)
     w = svc.workspaces.get(conv.get("workspace") or "")
     out["workspace"] = {"id": w["id"], "path": w["path"]} if w else None
+    out.setdefault("skills", [])
     return out
 
 
@@ -165,8 +182,13 @@ def _settings(svc: AgentService, request: Request, body: NewConversation) -> dic
         if body.route != "local" and body.route not in svc.providers.providers:
             raise invalid_request("`route` must be \"local\" or a saved provider's id.")
         out["route"] = body.route
+    if body.skills is not None:
+        if len(body.skills) > skills.SKILLS_MAX:
+            raise invalid_request(f"`skills` names at most {skills.SKILLS_MAX} skills.")
+        out["skills"] = list(dict.fromkeys(body.skills))
     if not request.peer_is_loopback and (out.get("workspace") or out.get("mode") == "full"
-                                         or out.get("route", "local") != "local"):
+                                         or out.get("route", "local") != "local"
+                                         or out.get("skills")):
         raise local_only()
     return out
 
@@ -174,9 +196,22 @@ def _settings(svc: AgentService, request: Request, body: NewConversation) -> dic
 async def create_conversation(svc: AgentService, request: Request) -> Response:
     body = wire.parse(NewConversation, request.json_object())
     s = _settings(svc, request, body)
+    await _check_skills(svc, s)
     conv = await svc.create(s.get("title", "New conversation"), s.get("mode", "ask"),
                             s.get("workspace"), s.get("route", "local"))
+    if s.get("skills"):
+        conv["skills"] = s["skills"]
+        await svc.save(conv)
     return Response.json(_whole(svc, conv), status=201)
+
+
+async def _check_skills(svc: AgentService, settings: dict[str, Any]) -> None:
+    names = settings.get("skills") or []
+    if names:
+        known = await trio.to_thread.run_sync(svc.skills.scan)
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise invalid_request(f"`skills` names no skill called {missing[0]}.")
 
 
 async def get_conversation(svc: AgentService, request: Request) -> Response:
@@ -186,6 +221,7 @@ async def get_conversation(svc: AgentService, request: Request) -> Response:
 async def change_conversation(svc: AgentService, request: Request) -> Response:
     conv = _conversation(svc, request)
     s = _settings(svc, request, wire.parse(NewConversation, request.json_object()))
+    await _check_skills(svc, s)
     moves = any(k in s and s[k] != conv[k] for k in ("workspace", "route"))
     if moves and svc.running(conv["id"]):
         raise busy()
@@ -396,6 +432,50 @@ def _request_key(request: Request) -> str | None:
     return (request.header("x-api-key") or "").strip() or None
 
 
+# -- skills --------------------------------------------------------------------------------
+
+def _skill_error(e: skills.SkillError) -> HTTPError:
+    status = {"exists": 409, "not_found": 404}.get(e.code, 400)
+    return HTTPError(status, e.code, e.message)
+
+
+async def list_skills(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    return Response.json({"skills": await trio.to_thread.run_sync(svc.skills.listing)})
+
+
+async def create_skill(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    body = wire.parse(SkillBody, request.json_object())
+    try:
+        made = await trio.to_thread.run_sync(svc.skills.create, body.name, body.description,
+                                             body.body, body.files)
+    except skills.SkillError as e:
+        raise _skill_error(e) from None
+    return Response.json(made.entry(), status=201)
+
+
+async def change_skill(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    body = wire.parse(SkillChange, request.json_object())
+    try:
+        made = await trio.to_thread.run_sync(svc.skills.update, request.path_params["name"],
+                                             body.description, body.body)
+    except skills.SkillError as e:
+        raise _skill_error(e) from None
+    return Response.json(made.entry())
+
+
+async def delete_skill(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    request.json()
+    try:
+        await trio.to_thread.run_sync(svc.skills.delete, request.path_params["name"])
+    except skills.SkillError as e:
+        raise _skill_error(e) from None
+    return Response.json({"deleted": True})
+
+
 ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("GET", "/api/agent", get_agent, False),
     ("GET", "/api/conversations", list_conversations, False),
@@ -414,6 +494,10 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("GET", "/api/providers", list_providers, True),
     ("PUT", "/api/providers/{id}", put_provider, True),
     ("DELETE", "/api/providers/{id}", delete_provider, True),
+    ("GET", "/api/skills", list_skills, True),
+    ("POST", "/api/skills", create_skill, True),
+    ("PUT", "/api/skills/{name}", change_skill, True),
+    ("DELETE", "/api/skills/{name}", delete_skill, True),
     ("GET", "/api/clients", list_clients, True),
     ("POST", "/api/connect/{id}", connect_client, True),
 ]

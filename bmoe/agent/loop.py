@@ -31,7 +31,7 @@ from ..server.turnevents import (Finished, ReasoningDelta, Reset, TextDelta, Too
                                  ToolCallStart, TurnEvent)
 from ..server.turnservice import Turn, drive
 from . import conversation as cv
-from . import providers, tools
+from . import providers, skills, tools
 from .paths import ToolError
 
 if TYPE_CHECKING:
@@ -131,6 +131,10 @@ class Run:
         system = None
         if not self.svc.chat_only and root is not None:
             system = SYSTEM_PROMPT.format(root=root) + (SYSTEM_READ if conv["mode"] == "read" else "")
+            on = await trio.to_thread.run_sync(self.svc.skills.enabled, conv.get("skills") or [])
+            if on:
+                offered = [*offered, skills.SPEC]
+                system += skills.system_note(on)
         # the assistant item just added holds nothing yet: the model answers after the rest
         if conv["route"] == "local":
             finish = await self.local_round_fitting(system, offered, sink)
@@ -220,6 +224,8 @@ class Run:
             args = json.loads(item["arguments"] or "{}")
         except ValueError:
             args = None
+        if name == skills.TOOL and root is not None and not svc.chat_only and conv.get("skills"):
+            return await self.read_skill(item, args)
         if root is None or svc.chat_only or name not in tools.SPECS:
             return self.finish(item, "failed", f"There is no tool named {name!r} here.")
         if name not in offered:
@@ -247,6 +253,21 @@ class Run:
         except OSError as e:
             return self.finish(item, "failed", f"The file could not be used: "
                                f"{e.strerror or 'the system refused'}.")
+        self.finish(item, "done", out)
+
+    async def read_skill(self, item: cv.Item, args: Any) -> None:
+        """`read_skill`: reads what the person installed, so it is never asked about."""
+        if not isinstance(args, dict):
+            return self.finish(item, "failed", "The arguments are not a JSON object.")
+        item["state"] = "running"
+        self.svc.item_changed(self.conv, item)
+        try:
+            out = await trio.to_thread.run_sync(self.svc.skills.read_tool,
+                                                list(self.conv.get("skills") or []), args)
+        except ToolError as e:
+            return self.finish(item, "failed", e.message)
+        except (OSError, skills.SkillError):
+            return self.finish(item, "failed", "The skill's file could not be read.")
         self.finish(item, "done", out)
 
     def finish(self, item: cv.Item, state: str, output: str) -> None:

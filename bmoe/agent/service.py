@@ -29,6 +29,7 @@ from . import conversation as cv
 from . import store
 from .loop import Run, failure_notice, load_test_script
 from .providers import ProviderStore
+from .skills import SkillStore
 
 log = logging.getLogger("bmoe.agent")
 
@@ -45,7 +46,7 @@ def not_found(what: str = "conversation") -> HTTPError:
 
 class AgentService:
     def __init__(self, state: Any, data_dir: Path, *, chat_only: bool = False,
-                 preview_network: str = "auto") -> None:
+                 preview_network: str = "auto", skills_dir: Path | None = None) -> None:
         self.state = state
         self.dir = data_dir / "agent"
         self.conv_dir = self.dir / "conversations"
@@ -54,6 +55,7 @@ class AgentService:
         self.convs: dict[str, cv.Conv] = {}
         self.workspaces: dict[str, dict[str, Any]] = {}
         self.providers = ProviderStore(data_dir)
+        self.skills = SkillStore(data_dir, skills_dir)
         self.runs: dict[str, Run] = {}
         self.stopping = False
         self._locks: dict[str, trio.Lock] = {}
