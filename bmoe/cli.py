@@ -6,6 +6,8 @@
     bmoe-cli -m MODEL -p PROMPT --progress         ... as the telemetry contract's lines
     bmoe-cli -m MODEL -p PROMPT --csv run.csv      ... plus one CSV row per token
     bmoe-cli -m MODEL --session                    JSON requests on stdin, lines on stdout
+    bmoe-cli -m MODEL --plan [--json]              the plan for this machine, then exit
+    bmoe-cli -m MODEL -p PROMPT --auto             plan, run with it, predicted vs measured
 
 The output lines are the telemetry contract (docs: ../shared/spec/telemetry.md):
 `BMOE_LOAD` / `BMOE_PROGRESS` per token, the `=== answer ===` / `=== perf ===` banners
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "make-model":
         from .modelmaker import main_make_model
         return main_make_model(argv[1:])
+    if "--plan" in argv or "--auto" in argv:     # the planner's modes (bmoe/planner/cli.py)
+        from .planner.cli import main as plan_main
+        return plan_main(argv)
     args = build_parser().parse_args(argv)
     if args.describe_params:
         json.dump(params.describe(server=False), sys.stdout, indent=1)
@@ -194,6 +199,12 @@ def perf_lines(s: dict[str, Any], streamer: dict[str, Any] | None) -> str:
     if streamer.get("overlap"):
         out += f", stall_s/tok={s['stall_s_tok']:.4f}"
     out += "\n"
+    if streamer.get("prefetch"):
+        done, useful = int(streamer.get("spec_prefetched", 0)), int(streamer.get("spec_useful", 0))
+        out += (f"moe-prefetch: {float(streamer.get('spec_read_mib', 0.0)):.1f} MiB speculative, "
+                f"{useful}/{done} experts useful ({100.0 * useful / done if done else 0.0:.1f}%)\n")
+        out += (f"moe-spec-gate: {max(0.0, float(streamer.get('spec_recall_pct', 0.0))):.1f}% "
+                "router prediction recall\n")
     if float(s["cache_hit_pct"]) >= 0:
         out += (f"moe-cache: {float(s['cache_hit_pct']):.1f}% hit, resident "
                 f"{float(s['cache_resident_mib']):.1f} MiB\n")
@@ -451,7 +462,8 @@ class SessionMode:
         result = run_turn(s, prepared, turn, cancel, sink.emit)
         text = result.generation.text
         self.history = [*messages, {"role": "assistant", "content": text}]
-        done = {"id": req["id"], **result.summary, "spec_recall_pct": -1, "text": text}
+        recall = s.streamer.summary().get("spec_recall_pct", -1) if s.streamer else -1
+        done = {"id": req["id"], **result.summary, "spec_recall_pct": recall, "text": text}
         self.out.tagged("BMOE_DONE", done)
 
     def decide(self, req: dict[str, Any]) -> None:

@@ -247,7 +247,7 @@ async def stream(turn: Turn, encoder: Encoder, send: Send) -> None:
 
 def require_model(state: ServerState) -> None:
     """503 no_model before anything else, unless a load is under way (it is waited for)."""
-    if state.session is None and state.state != "loading":
+    if state.session is None and state.state not in ("loading", "planning"):
         raise HTTPError(503, "no_model", "No model is loaded. Load one with "
                         "POST /api/session/load or start the server with -m.")
 
