@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import trio
-from pydantic import StrictStr
+from pydantic import StrictBool, StrictStr
 
 from ..http.access import is_loopback_binding
 from ..http.errors import HTTPError, invalid_request
@@ -25,7 +25,7 @@ from ..http.types import Request, Response
 from ..server import wire
 from . import clients
 from . import conversation as cv
-from . import preview, skills
+from . import preview, skills, tasks
 from .paths import OutsideWorkspace, ToolError, resolve
 from .providers import check_entry
 from .service import AgentService, busy, folder_of, not_found
@@ -66,6 +66,16 @@ class SkillBody(wire.Wire):
 class SkillChange(wire.Wire):
     description: StrictStr | None = None
     body: StrictStr | None = None
+
+
+class TaskBody(wire.Wire):
+    title: StrictStr | None = None
+    prompt: StrictStr | None = None
+    workspace: StrictStr | None = None
+    mode: StrictStr | None = None
+    route: StrictStr | None = None
+    schedule: dict[str, Any] | None = None
+    enabled: StrictBool | None = None
 
 
 class ProviderBody(wire.Wire):
@@ -476,6 +486,102 @@ async def delete_skill(svc: AgentService, request: Request) -> Response:
     return Response.json({"deleted": True})
 
 
+# -- tasks ---------------------------------------------------------------------------------
+
+def _task_fields(svc: AgentService, raw: dict[str, Any], *, new: bool) -> dict[str, Any]:
+    body = wire.parse(TaskBody, raw)
+    out: dict[str, Any] = {}
+    if body.title is not None:
+        out["title"] = body.title.strip()[:cv.TITLE_MAX] or "Task"
+    if body.prompt is not None or new:
+        prompt = (body.prompt or "").strip()
+        if not prompt or len(prompt) > tasks.PROMPT_MAX_CHARS:
+            raise invalid_request(f"`prompt` must be 1 to {tasks.PROMPT_MAX_CHARS} characters.")
+        out["prompt"] = prompt
+    if body.workspace is not None or new:
+        if body.workspace not in svc.workspaces:
+            raise invalid_request("`workspace` must name a workspace; add it first.")
+        out["workspace"] = body.workspace
+    if body.mode is not None:
+        if body.mode not in cv.MODES:
+            raise invalid_request("`mode` must be \"read\", \"ask\" or \"full\".")
+        out["mode"] = body.mode
+    if body.route is not None:
+        if body.route != "local" and body.route not in svc.providers.providers:
+            raise invalid_request("`route` must be \"local\" or a saved provider's id.")
+        out["route"] = body.route
+    if "schedule" in raw:
+        try:
+            out["schedule"] = tasks.check_schedule(raw["schedule"])
+        except tasks.ScheduleError as e:
+            raise invalid_request(str(e)) from None
+    if body.enabled is not None:
+        out["enabled"] = body.enabled
+    return out
+
+
+def _task(svc: AgentService, request: Request) -> dict[str, Any]:
+    task = svc.tasks.tasks.get(request.path_params["id"])
+    if task is None:
+        raise not_found("task")
+    return task
+
+
+async def list_tasks(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    listed = sorted(svc.tasks.tasks.values(), key=lambda t: t["created"], reverse=True)
+    return Response.json({"tasks": listed})
+
+
+async def create_task(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    if svc.chat_only:
+        raise HTTPError(409, "chat_only", "This server runs conversations as plain chat: it "
+                        "has no tasks.")
+    raw = request.json_object()
+    fields = _task_fields(svc, raw, new=True)
+    fields.setdefault("schedule", None)
+    task = svc.tasks.new(fields)
+    await svc.tasks.save()
+    svc.tasks.publish(task)
+    return Response.json(task, status=201)
+
+
+async def get_task(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    return Response.json(_task(svc, request))
+
+
+async def change_task(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    task = _task(svc, request)
+    fields = _task_fields(svc, request.json_object(), new=False)
+    svc.tasks.apply(task, fields)
+    await svc.tasks.save()
+    svc.tasks.publish(task)
+    return Response.json(task)
+
+
+async def delete_task(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    request.json()
+    task = _task(svc, request)
+    svc.tasks.tasks.pop(task["id"], None)
+    await svc.tasks.save()
+    svc.tasks.publish(task, deleted=True)
+    return Response.json({"deleted": True})
+
+
+async def run_task(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    request.json()
+    task = _task(svc, request)
+    conv = await svc.tasks.fire(task)
+    await svc.tasks.save()
+    return Response.json({"task": task, "conversation": conv["id"] if conv else None},
+                         status=202)
+
+
 ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("GET", "/api/agent", get_agent, False),
     ("GET", "/api/conversations", list_conversations, False),
@@ -498,6 +604,12 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("POST", "/api/skills", create_skill, True),
     ("PUT", "/api/skills/{name}", change_skill, True),
     ("DELETE", "/api/skills/{name}", delete_skill, True),
+    ("GET", "/api/tasks", list_tasks, True),
+    ("POST", "/api/tasks", create_task, True),
+    ("GET", "/api/tasks/{id}", get_task, True),
+    ("PUT", "/api/tasks/{id}", change_task, True),
+    ("DELETE", "/api/tasks/{id}", delete_task, True),
+    ("POST", "/api/tasks/{id}/run", run_task, True),
     ("GET", "/api/clients", list_clients, True),
     ("POST", "/api/connect/{id}", connect_client, True),
 ]

@@ -30,6 +30,7 @@ from . import store
 from .loop import Run, failure_notice, load_test_script
 from .providers import ProviderStore
 from .skills import SkillStore
+from .tasks import Tasks
 
 log = logging.getLogger("bmoe.agent")
 
@@ -56,6 +57,7 @@ class AgentService:
         self.workspaces: dict[str, dict[str, Any]] = {}
         self.providers = ProviderStore(data_dir)
         self.skills = SkillStore(data_dir, skills_dir)
+        self.tasks = Tasks(self, self.dir / "tasks.json")
         self.runs: dict[str, Run] = {}
         self.stopping = False
         self._locks: dict[str, trio.Lock] = {}
@@ -81,6 +83,7 @@ class AgentService:
             if isinstance(w, dict) and isinstance(w.get("id"), str):
                 self.workspaces[w["id"]] = w
         self.providers.load()
+        self.tasks.load()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await trio.to_thread.run_sync(self.load)
@@ -88,6 +91,8 @@ class AgentService:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
+                if not self.chat_only:
+                    nursery.start_soon(self.tasks.run)    # a missed run starts now
                 await trio.sleep_forever()
         finally:
             self.stopping = True
