@@ -50,6 +50,7 @@ class ExpertReader:
         self.fallback_reason = ""
         self.recycle = True
         self.moved_bytes = 0
+        self._counters = threading.Lock()   # the lanes update recycle / moved_bytes
         if direct:
             self._open_direct()
         else:
@@ -149,10 +150,12 @@ class ExpertReader:
             if self.recycle:
                 try:
                     move_pages(src, dst, n)
-                    self.moved_bytes += n
+                    with self._counters:
+                        self.moved_bytes += n
                     continue
                 except OSError:
-                    self.recycle = False      # freeing and faulting in still works
+                    with self._counters:
+                        self.recycle = False  # freeing and faulting in still works
             discard_pages(src, n)
 
     def close(self) -> None:
