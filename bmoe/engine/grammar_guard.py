@@ -372,6 +372,10 @@ class _Reader:
             raise self.fail("expected ',' or '}' in a repetition")
         self.i += 1
         self.space(nested)
+        if high is not None and high < low:
+            # llama.cpp computes high - low unsigned: {2000,500} loops (almost) forever.
+            raise GrammarRefused(f"The grammar has a repetition {{{low},{high}}} whose "
+                                 "maximum is below its minimum.")
         if low > LLAMA_REPETITION_THRESHOLD:
             raise GrammarRefused(f"The grammar repeats something at least {low:,} times; "
                                  f"llama.cpp allows {LLAMA_REPETITION_THRESHOLD:,}.")
