@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import atomicfile
 from . import store, tools
 from .paths import ToolError, resolve
 
@@ -161,7 +162,7 @@ class SkillStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        store._fsync_dir(self.person_dir)         # the rename, on disk
+        atomicfile.fsync_dir(self.person_dir)         # the rename, on disk
         return Skill(name, desc, "person", final)
 
     def update(self, name: str, description: str | None, body: str | None) -> Skill:
@@ -178,7 +179,7 @@ class SkillStore:
         shutil.rmtree(gone, ignore_errors=True)
         os.rename(skill.folder, gone)              # gone at once, then removed at leisure
         shutil.rmtree(gone, ignore_errors=True)
-        store._fsync_dir(self.person_dir)
+        atomicfile.fsync_dir(self.person_dir)
 
     def _persons(self, name: str) -> Skill:
         check_name(name)

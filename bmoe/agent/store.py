@@ -7,10 +7,10 @@ file or the new one, never half of either. Callers on trio run these through
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .. import atomicfile
 
 
 def encode(value: Any) -> bytes:
@@ -24,35 +24,7 @@ def write_json(path: Path, value: Any, *, mode: int = 0o644) -> None:
 
 def write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     """Write `data` to `path` atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    atomicfile.write_bytes(path, data, mode=mode)
 
 
 def read_json(path: Path, default: Any) -> Any:
@@ -69,7 +41,7 @@ def remove(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
-    _fsync_dir(path.parent)
+    atomicfile.fsync_dir(path.parent)
 
 
 def clean_temporaries(folder: Path) -> None:

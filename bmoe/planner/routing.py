@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .. import atomicfile
 
 log = logging.getLogger(__name__)
 
@@ -155,15 +156,7 @@ def append_record(file: Path, rows: list[np.ndarray], *, model: str, size: int,
 
 
 def _write_atomically(file: Path, data: bytes) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomicfile.write_bytes(file, data)
 
 
 # --- the hit curve -------------------------------------------------------------------------

@@ -31,11 +31,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from bmoe import atomicfile
 from bmoe.engine import params
 
 log = logging.getLogger(__name__)
@@ -380,31 +380,4 @@ def _saved_values(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    atomicfile.write_text(path, text)

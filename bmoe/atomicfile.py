@@ -1,0 +1,48 @@
+"""Writing a file so that it is never half-written: a temp file beside it, fsync, rename,
+then fsync of the folder. Every file the server keeps (settings, catalogs, conversations)
+is written here; a kill at any moment leaves the old file or the new one, whole."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Replace `path` with `data` atomically (`mode`: the file's permissions; by default
+    the temp file's own, readable by its owner only)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text(path: Path, text: str, *, mode: int | None = None) -> None:
+    write_bytes(path, text.encode("utf-8"), mode=mode)
+
+
+def fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
