@@ -61,14 +61,20 @@ class GrammarChild:
             proc.stdin.flush()
         except BrokenPipeError:
             return self._dead()
-        ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
-        if not ready:
-            self.close()
-            return Compiled(timed_out=True)
-        line = proc.stdout.readline()
-        if not line:
-            return self._dead()
-        return Compiled(**json.loads(line))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            wait_s = max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([proc.stdout], [], [], wait_s)
+            if not ready:
+                self.close()
+                return Compiled(timed_out=True)
+            line = proc.stdout.readline()
+            if not line:
+                return self._dead()
+            if line.startswith("{"):
+                return Compiled(**json.loads(line))
+            # Anything else is llama.cpp dying loudly (ggml's abort prints a backtrace
+            # through gdb on stdout): read on to the end of the stream.
 
     def _dead(self) -> Compiled:
         assert self.proc is not None
