@@ -213,6 +213,7 @@ def test_guard_element_and_repetition_limits() -> None:
     ("root ::= \"a\"{99999999999999999999}", "too large"),
     ("root ::= \"a\"{3", "expected ',' or '}'"),
     ("root ::= \"a\"{20,5}", "maximum is below its minimum"),   # llama.cpp loops on it
+    ("root ::= x \"a\"\nx ::= \"b\"? root", "left-recursive"),  # llama.cpp grows without end
     ("root ::= \"a\" )", "end of the line"),
 ])
 def test_guard_refusals_are_sentences(text: Any, reason: str) -> None:

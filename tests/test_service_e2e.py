@@ -251,6 +251,9 @@ def test_the_registered_command_serves(tmp_path: Path, home: Path, tiny_moe: Pat
 def test_a_crash_leaves_its_lines_in_the_log(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     srv = start_server(tmp_path / "data", "--log-file", str(log), wait_ready=False)
+    # The start-up line reaches the log through the tee; crash only once it is there.
+    wait_for(lambda: log.exists() and "listening on" in log.read_text(), 30,
+             "the start-up line in the log")
     os.kill(srv.proc.pid, signal.SIGSEGV)
     assert srv.proc.wait(30) == -signal.SIGSEGV
     srv.proc.stdout.close()  # type: ignore[union-attr]
