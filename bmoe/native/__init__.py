@@ -1,0 +1,1 @@
+"""C extensions built with the package (see setup.py): one module per ``<name>.c``."""
