@@ -40,7 +40,7 @@ def test_fresh_store_follows_server_defaults(tmp_path: Path) -> None:
         "args": ["--n-predict", "0", "--ctx-size", "16384", "--moe-stream",
                  "--cache-mb", "auto", "--decide"],
         "valid": True, "error": "", "reload_required": False, "reload_keys": [],
-        "plan": None, "auto_plan": False}
+        "plan": None, "auto_plan": True}
     assert list(state["values"]) == [p.key for p in params.table()]
     assert not (tmp_path / "settings.json").exists()
 

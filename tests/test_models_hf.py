@@ -255,3 +255,21 @@ def test_inspect_under_a_memory_cap_will_not_fit(tmp_path: Path,
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_inspect_counts_what_the_loaded_model_holds(tmp_path: Path, tiny_moe: Path,
+                                                    hub: tuple[Hub, dict[str, Any]]) -> None:
+    """With a model loaded, the verdict's machine says what unloading it would give back:
+    the loaded model's holding (the planner's figure), added to what is free now."""
+    s = models_server(tmp_path / "data", hub[0], "-m", str(tiny_moe), "--no-moe-stream")
+    try:
+        s.wait_state("ready")
+        status, body = post(s, "/api/hf/inspect", {"repo": TINY, "name": "tiny-moe-F32.gguf"})
+        assert status == 200, body
+        mach = body["machine"]
+        assert mach["loaded_model"] == tiny_moe.name
+        assert mach["loaded_held"] == tiny_moe.stat().st_size      # resident: the whole file
+        assert mach["budget_if_loaded"] == min(mach["residency_budget"] + mach["loaded_held"],
+                                               mach["memory_total"])
+    finally:
+        s.stop()

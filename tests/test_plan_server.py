@@ -182,13 +182,23 @@ def test_a_hostile_routing_record_is_ignored_by_the_server(tmp_path: Path,
         srv.stop()
 
 
-def test_auto_plan_is_a_config_switch(tmp_path: Path) -> None:
-    srv = start_server(tmp_path, wait_ready=False)
+def test_auto_plan_is_on_by_default_and_a_saved_switch(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, wait_ready=False, auto_plan=None)
     try:
-        assert srv.request("GET", "/api/config")[2]["auto_plan"] is False
-        status, _, body = srv.request("PUT", "/api/config", {"auto_plan": True})
-        assert status == 200 and body["auto_plan"] is True
+        assert srv.request("GET", "/api/config")[2]["auto_plan"] is True
+        status, _, body = srv.request("PUT", "/api/config", {"auto_plan": False})
+        assert status == 200 and body["auto_plan"] is False
         assert srv.request("PUT", "/api/config", {"auto_plan": "yes"})[0] == 400
         assert srv.request("GET", "/api/plan")[2]["error"].startswith("No model is selected")
+    finally:
+        srv.stop()
+    srv = start_server(tmp_path, wait_ready=False, auto_plan=None)   # the choice was saved
+    try:
+        assert srv.request("GET", "/api/config")[2]["auto_plan"] is False
+    finally:
+        srv.stop()
+    srv = start_server(tmp_path, wait_ready=False, auto_plan=True)   # --auto, for this run
+    try:
+        assert srv.request("GET", "/api/config")[2]["auto_plan"] is True
     finally:
         srv.stop()

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def server_cmd(data_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data_dir),
-            "--threads", "1", *args]
+            "--threads", "1", "--no-auto", *args]
 
 
 def key_file(folder: Path, text: str = KEY + "\n", name: str = "key") -> Path:

@@ -77,7 +77,8 @@ class Folders:
 class ModelsService:
     def __init__(self, *, options: Any, config: Any, bus: Any, folders: Folders,
                  endpoint: str, curl: CurlConfig,
-                 held_paths: Callable[[], list[str]]) -> None:
+                 held_paths: Callable[[], list[str]],
+                 held_bytes: Callable[[], int] = lambda: 0) -> None:
         self.options = options
         self.config = config
         self.bus = bus
@@ -85,6 +86,7 @@ class ModelsService:
         self.curl = curl
         self.site = HfSite(endpoint, curl)
         self.held_paths = held_paths
+        self.held_bytes = held_bytes      # what the loaded model holds (the planner's figure)
         http_origin = curl.http_origin
         self.shipped = load_shipped(http_origin=http_origin)
         self.added = AddedEntries(options.data_dir, http_origin)
@@ -97,7 +99,8 @@ class ModelsService:
     @classmethod
     def create(cls, options: Any, config: Any, bus: Any, *, models_dir_at_launch: bool,
                endpoint: str = DEFAULT_ENDPOINT, ca_file: str = "", stall_s: int = 30,
-               held_paths: Callable[[], list[str]] = list) -> ModelsService:
+               held_paths: Callable[[], list[str]] = list,
+               held_bytes: Callable[[], int] = lambda: 0) -> ModelsService:
         saved = config.extra("model_folders") if config is not None else None
         saved = saved if isinstance(saved, dict) else {}
         default = Path(options.data_dir) / "models"
@@ -119,7 +122,7 @@ class ModelsService:
         http_origin = endpoint.rstrip("/") if endpoint.startswith("http://") else ""
         return cls(options=options, config=config, bus=bus, folders=folders,
                    endpoint=endpoint, curl=CurlConfig(ca_file, http_origin, stall_s),
-                   held_paths=held_paths)
+                   held_paths=held_paths, held_bytes=held_bytes)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -385,9 +388,11 @@ class ModelsService:
                       for f in model.files
                       if (self.models_dir / f.path.rsplit("/", 1)[-1]).is_file())
         held = [p for p in self.held_paths() if p]
+        held_bytes = self.held_bytes() if held else 0
         machine = await trio.to_thread.run_sync(lambda: machine_now(
             loaded_model=Path(held[0]).name if held else "",
-            disk_free=disk_free(self.models_dir), present_bytes=present))
+            disk_free=disk_free(self.models_dir), present_bytes=present,
+            loaded_held=held_bytes))
         return {"repo": repo, "revision": rev, "name": model.name,
                 "quant": quant_of(model.name.rsplit("/", 1)[-1]), "bytes": model.bytes,
                 "files": len(model.files), "complete": model.complete,

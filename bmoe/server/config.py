@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SETTINGS_FILE = "settings.json"
 SETTINGS_VERSION = 1
-AUTO_PLAN_DEFAULT = False   # the spec's default is on; off until the suites plan-proof
+AUTO_PLAN_DEFAULT = True    # every load plans first, unless the person turned it off
 
 
 class OutsideModelsDir(ValueError):

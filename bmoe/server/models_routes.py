@@ -159,11 +159,15 @@ def attach(state: Any, args: Any) -> ModelsService:
             held.append(str(state.config.values.get("model") or ""))
         return held
 
+    def held_bytes() -> int:
+        planner = getattr(state, "planner", None)
+        return int(planner.held_now()) if planner is not None else 0
+
     service = ModelsService.create(
         state.options, state.config, state.bus,
         models_dir_at_launch=getattr(args, "models_dir", None) is not None,
         endpoint=args.hf_endpoint.rstrip("/"), ca_file=args.hf_ca_file,
-        stall_s=args.download_stall_s, held_paths=held_paths)
+        stall_s=args.download_stall_s, held_paths=held_paths, held_bytes=held_bytes)
     state.models = service
     return service
 

@@ -87,13 +87,31 @@ class PlanService:
     def busy(self) -> bool:
         return self._lock.locked()
 
+    def held_now(self) -> int:
+        """What the loaded model holds, in bytes: what its auto-plan charged, else an
+        estimate from the session itself (the dense weights and the expert cache when it
+        streams, the whole file when it does not); 0 with nothing loaded."""
+        session = self.state.session
+        if session is None or self.state.state != "ready":
+            return 0
+        if self.load_held:
+            return self.load_held
+        streamer = getattr(session, "streamer", None)
+        budget = getattr(streamer, "budget", None)
+        try:
+            if streamer is not None and budget is not None:
+                return int(streamer.layout.dense_bytes) + int(budget.bytes)
+            return Path(str(session.path)).stat().st_size
+        except (OSError, AttributeError, TypeError, ValueError):
+            return 0
+
     async def measure(self, path: str) -> Plan:
         state = self.state
         if self._lock.locked():
             raise HTTPError(409, "busy", "A measurement is already running; wait for it.")
         async with self._lock:
             loaded = state.session is not None and state.state == "ready"
-            held = self.load_held if loaded else 0
+            held = self.held_now()
             name = Path(str(state.session.path)).name if loaded else ""
             config = state.config
             token = trio.lowlevel.current_trio_token()
@@ -111,6 +129,10 @@ class PlanService:
                 plan = await trio.to_thread.run_sync(job)
             finally:
                 state.bus.publish("plan_progress", {"step": "done"})
+            if loaded and held and not self.load_held:
+                plan.warning = (f"{name} was loaded while this was measured: the plan adds back "
+                                f"an estimate of what it holds ({held >> 20} MiB), so its sizes "
+                                "are approximate; unload it for an exact plan")
             return plan
 
     async def measure_by_hand(self, path: str) -> dict[str, Any]:
