@@ -7,14 +7,18 @@ against the loaded libggml at runtime (the struct size through
 `ggml_tensor_overhead()`, the op numbers through `ggml_op_name()`, and every field the
 streamer reads by building two tensors in a scratch ggml context and reading them back
 through the mirror), so a different llama.cpp build fails loudly at load instead of
-reading the wrong fields. The library is the one llama-cpp-python loaded (found through
-it, never by a path written here).
+reading the wrong fields. The same offsets are what the native graph callback
+(`bmoe/native/evalcb.c`, see `evalcb.py`) is handed: `native_layout()`; the probe can read
+its tensors through any reader, so that side is checked the same way. The library is
+the one llama-cpp-python loaded (found through it, never by a path written here).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import llama_cpp._ggml
 
@@ -54,6 +58,16 @@ class GgmlTensor(ctypes.Structure):
 OFF_OP = GgmlTensor.op.offset
 OFF_NAME = GgmlTensor.name.offset
 OFF_DATA = GgmlTensor.data.offset
+OFF_NE = GgmlTensor.ne.offset
+OFF_NB = GgmlTensor.nb.offset
+OFF_SRC = GgmlTensor.src.offset
+
+
+def native_layout() -> list[int]:
+    """What the native callback reads, in the order `evalcb.c` takes it: the offsets of
+    op, name, ne, nb, data and src, the struct's size, and the VIEW and MUL_MAT_ID ops."""
+    return [OFF_OP, OFF_NAME, OFF_NE, OFF_NB, OFF_DATA, OFF_SRC, ctypes.sizeof(GgmlTensor),
+            GGML_OP_VIEW, GGML_OP_MUL_MAT_ID]
 
 
 def tensor_at(address: int) -> GgmlTensor:
@@ -130,9 +144,31 @@ def check_layout() -> None:
                            + "; ".join(problems))
 
 
-def _field_problems(lib: ctypes.CDLL) -> list[str]:
+Fields = dict[str, object]
+
+
+def read_fields(address: int) -> Fields:
+    """op, ne[:2], nb[:2], data, src[0] and name of the tensor at `address`, read at the
+    module's offsets (what `native_layout()` hands the native callback)."""
+    def word(off: int, ctype: Any) -> int:
+        return int(ctype.from_address(address + off).value or 0)
+
+    i64, size = ctypes.c_int64, ctypes.c_size_t
+    return {
+        "op": word(OFF_OP, ctypes.c_int),
+        "ne": [word(OFF_NE, i64), word(OFF_NE + 8, i64)],
+        "nb": [word(OFF_NB, size), word(OFF_NB + 8, size)],
+        "data": word(OFF_DATA, ctypes.c_void_p),
+        "src[0]": word(OFF_SRC, ctypes.c_void_p),
+        "name": ctypes.string_at(address + OFF_NAME),
+    }
+
+
+def _field_problems(lib: ctypes.CDLL,
+                    read: Callable[[int], Fields] = read_fields) -> list[str]:
     """Build a 3×5 f32 tensor and a view of it in a scratch context; read type, ne, nb,
-    op, src, view_src, view_offs, data and name back through the mirror."""
+    op, src, view_src, view_offs, data and name back through the mirror, and op, ne, nb,
+    data, src[0] and name through `read` (the module's offsets, or the native side's)."""
     ctx = lib.ggml_init(_InitParams(1 << 16, None, False))
     if not ctx:
         return ["ggml_init failed for the layout probe"]
@@ -140,19 +176,29 @@ def _field_problems(lib: ctypes.CDLL) -> list[str]:
         base = lib.ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 3, 5)
         lib.ggml_set_name(base, b"bmoe_layout_probe")
         view = lib.ggml_view_1d(ctx, base, 4, 8)
+        lib.ggml_set_name(view, b"bmoe_layout_view")
         t, v = tensor_at(base), tensor_at(view)
+        data = lib.ggml_get_data(base) or 0
+        rb, rv = read(base), read(view)
         seen = {
             "type": (t.type, GGML_TYPE_F32),
-            "ne": (list(t.ne), [3, 5, 1, 1]),
-            "nb": (list(t.nb), [4, 12, 60, 60]),
-            "op": (op_of(base), GGML_OP_NONE),
-            "name": (name_of(base), b"bmoe_layout_probe"),
-            "data": (t.data, lib.ggml_get_data(base)),
-            "view op": (op_of(view), GGML_OP_VIEW),
-            "src[0]": (v.src[0], base),
+            "ne": (rb["ne"], [3, 5]),
+            "nb": (rb["nb"], [4, 12]),
+            "op": (rb["op"], GGML_OP_NONE),
+            "name": (rb["name"], b"bmoe_layout_probe"),
+            "data": (rb["data"], data),
+            "src[0] of a leaf": (rb["src[0]"], 0),
+            "view op": (rv["op"], GGML_OP_VIEW),
+            "view ne": (rv["ne"], [4, 1]),
+            "view name": (rv["name"], b"bmoe_layout_view"),
+            "src[0]": (rv["src[0]"], base),
+            "view data": (rv["data"], data + 8),
+            "mirror ne": (list(t.ne), [3, 5, 1, 1]),
+            "mirror nb": (list(t.nb), [4, 12, 60, 60]),
+            "mirror data": (t.data or 0, data),
+            "mirror src[0]": (v.src[0], base),
             "view_src": (v.view_src, base),
             "view_offs": (v.view_offs, 8),
-            "view data": (v.data, (t.data or 0) + 8),
         }
         return [f"{field} reads {got!r}, expected {want!r}"
                 for field, (got, want) in seen.items() if got != want]

@@ -13,8 +13,14 @@ extra (repacking) buffer types off, so that weights keep the file's layout:
 3. the cache budget is resolved (`budget.resolve`), and with `load-all` every expert is
    read now.
 
-During every graph evaluation llama.cpp calls `_eval` for each node, first to ask whether
-we want its data, then (for the nodes we said yes to) with the data computed:
+During every graph evaluation llama.cpp calls the graph callback for each node, first to
+ask whether we want its data, then (for the nodes we said yes to) with the data computed.
+The callback is the native one (`bmoe/native/evalcb.c`, wired by `evalcb.py`) when the
+extension loads and passes its layout check: it answers every ask itself, forwards only
+the MUL_MAT_ID asks to `_bind_native` while tensors remain unbound, and calls
+`_route_native` once per MoE layer with the routing's shape and address. Otherwise (or
+with `BMOE_EVAL_CALLBACK=python`) it is `_eval`, a ctypes callback entered for every node.
+`load_info["eval_callback"]` says which. Either way:
 
 * `ffn_moe_topk-<l>` (a VIEW of the router's argsort, I32 [n_expert_used, n_tokens], rows
   nb[1] apart): we say yes; with the data we take the union of the routed ids, let the
@@ -57,7 +63,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from . import ggml, nopopulate
+from . import evalcb, ggml, nopopulate
 from .budget import MIB, Budget, resolve
 from .cache import Admission, ExpertCache, NoCache
 from .predict import Predictor, read_routers, router_input
@@ -136,6 +142,7 @@ class ExpertStreamer:
         self._src_unit: dict[int, tuple[int, int]] = {}
         self._populating = False
         self._cb = lc.ggml_backend_sched_eval_callback(self._eval)
+        self.native: evalcb.NativeCallback | None = None
         self.load_info: dict[str, Any] = {}
 
     # -- Streamer protocol: loading ---------------------------------------------------
@@ -150,8 +157,20 @@ class ExpertStreamer:
         self.load_info["load_reads"] = "dense weights only" if not why else why
 
     def configure_context_params(self, params: Any) -> None:
-        params.cb_eval = self._cb
-        params.cb_eval_user_data = None
+        why = "python: forced by BMOE_EVAL_CALLBACK=python" if evalcb.forced_python() else ""
+        if not why:
+            try:
+                self.native = evalcb.NativeCallback(self._route_native, self._bind_native)
+            except evalcb.NativeUnavailable as e:
+                why = f"python: {e}"
+        if self.native is not None:
+            params.cb_eval = self.native.fn
+            params.cb_eval_user_data = self.native.user_data
+            self.load_info["eval_callback"] = "native"
+        else:
+            params.cb_eval = self._cb
+            params.cb_eval_user_data = None
+            self.load_info["eval_callback"] = why
 
     def attach(self, model: Any, ctx: Any) -> None:
         t0 = time.monotonic()
@@ -258,6 +277,31 @@ class ExpertStreamer:
                 self._failure = f"Expert streaming failed: {e}"
             return False
 
+    def _bind_native(self, node: int) -> int:
+        """The native callback's MUL_MAT_ID ask: rebind; how many tensors remain unbound
+        (at 0 the C side stops asking). A failure is recorded and keeps it asking."""
+        try:
+            if self._unbound:
+                self._bind(node)
+            return len(self._unbound)
+        except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
+            if self._failure is None:
+                self._failure = f"Expert streaming failed: {e}"
+            return max(1, len(self._unbound))
+
+    def _route_native(self, node: int, layer: int, k: int, n: int, row: int,
+                      data: int) -> bool:
+        """The native callback's data phase of `ffn_moe_topk-<layer>`; false stops the graph."""
+        try:
+            if layer < 0:
+                raise RuntimeError(f"unexpected routing node {ggml.name_of(node)!r}")
+            self._routed(node, layer, k, n, row, data)
+            return True
+        except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
+            if self._failure is None:
+                self._failure = f"Expert streaming failed: {e}"
+            return False
+
     def _bind(self, node: int) -> None:
         weight = ggml.tensor_at(node).src[0]
         name = ggml.name_of(weight)
@@ -275,11 +319,16 @@ class ExpertStreamer:
     def _route(self, node: int) -> None:
         tt = ggml.tensor_at(node)
         layer = int(ggml.name_of(node)[len(_TOPK):])
-        k, n, row = int(tt.ne[0]), int(tt.ne[1]), int(tt.nb[1])
+        self._routed(node, layer, int(tt.ne[0]), int(tt.ne[1]), int(tt.nb[1]), tt.data or 0)
+
+    def _routed(self, node: int, layer: int, k: int, n: int, row: int, data: int) -> None:
+        """Layer `layer`'s routing, I32 [k, n] with rows `row` bytes apart at `data`."""
         if n == 0 or k == 0:
             return        # the last layer of a prefill chunk that outputs no logits
+        if not data or row < 4 * k or row % 4:
+            raise RuntimeError(f"layer {layer}'s routing has an unexpected layout")
         flat = np.ctypeslib.as_array(
-            (ctypes.c_int32 * ((n - 1) * row // 4 + k)).from_address(tt.data))
+            (ctypes.c_int32 * ((n - 1) * row // 4 + k)).from_address(data))
         ids = np.lib.stride_tricks.as_strided(flat, shape=(n, k), strides=(row, 4)).copy()
         if ids.size and (ids.min() < 0 or ids.max() >= self.layout.n_expert):
             raise RuntimeError(f"layer {layer} routed to expert ids outside "
@@ -289,7 +338,7 @@ class ExpertStreamer:
         self.ensure(layer, np.unique(ids))
         if self.predictor is not None and n == 1:
             self.predictor.last[layer] = ids[0].astype(np.int64)
-            self._read_ahead(layer, router_input(tt, layer))
+            self._read_ahead(layer, router_input(ggml.tensor_at(node), layer))
 
     def ensure(self, layer: int, ids: np.ndarray) -> Admission:
         """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses)."""
@@ -602,7 +651,17 @@ class ExpertStreamer:
                 "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
                 "rereads": c.rereads, "resident_bytes": self._resident_bytes(),
                 "budget_bytes": self.budget.bytes,
-                "moved_bytes": self.reader.moved_bytes if self.reader else 0}
+                "moved_bytes": self.reader.moved_bytes if self.reader else 0,
+                **self._callback_stats()}
+
+    def _callback_stats(self) -> dict[str, Any]:
+        """The native callback's counts: every node's ask (answered in C) and the calls
+        into Python (MUL_MAT_ID asks while binding, one routing per MoE layer)."""
+        if self.native is None:
+            return {}
+        st = self.native.stats()
+        return {"cb_asks": st["asks"], "cb_bind_calls": st["bind_calls"],
+                "cb_route_calls": st["route_calls"], "cb_binding": st["binding"]}
 
     def failure(self) -> str | None:
         """The message of a failure inside the graph callback since the last call, if any."""
