@@ -86,15 +86,18 @@ class ServerProcess:
 
 
 def start_server(data_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 wait_ready: bool = True, auto_plan: bool | None = False) -> ServerProcess:
+                 wait_ready: bool = True, auto_plan: bool | None = False,
+                 threads: int | None = 1) -> ServerProcess:
     """A bmoe-server on port 0. Loads do not plan first (``--no-auto``) unless the test
     says so: a plan would change the settings a test expects (its context size, its
     threads). ``auto_plan=None`` passes neither flag (the server's own default)."""
     flag = {True: ["--auto"], False: ["--no-auto"], None: []}[auto_plan]
     if "--auto" in args or "--no-auto" in args:
         flag = []
+    if threads is not None:
+        flag += ["--threads", str(threads)]
     cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data_dir),
-           "--threads", "1", *flag, *args]
+           *flag, *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=full_env)
     assert proc.stdout is not None

@@ -22,7 +22,8 @@ JSON_TYPE: dict[str, type | tuple[type, ...]] = {
 
 EXPECTED_ROWS = [
     "model", "mmproj", "image-max-tokens", "n-predict", "think", "ctx-size", "threads",
-    "threads-batch", "temp", "top-k", "top-p", "seed", "moe-stream", "io-threads", "o-direct",
+    "threads-batch", "trial-threads", "trial-overlap", "temp", "top-k", "top-p", "seed",
+    "moe-stream", "io-threads", "o-direct",
     "prefetch", "spec-gate", "overlap", "cache-mb", "cache-policy",
     "cache-floor-mb", "cache-ceil-mb", "dense-weights", "force-cache", "load-all",
     "decide"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -10,8 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bmoe.models.probe import probe_file
-from bmoe.planner.routing import cost_path, read_costs, read_record, record_path
+from bmoe.planner.routing import (cost_path, read_costs, read_record, read_trial, record_path,
+                                  trial_path)
 from conftest import ServerProcess, start_server
 
 
@@ -164,6 +168,38 @@ def test_auto_plan_load_progress_measured_and_routing_record(tmp_path: Path,
     finally:
         srv.stop()
         tap.close()
+
+
+def test_the_first_answer_calibrates_and_the_next_plan_reads_it(tmp_path: Path,
+                                                              tiny_moe: Path) -> None:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: there is no second thread count to try")
+    srv = start_server(tmp_path, "--auto", "-m", str(tiny_moe), "-c", "4096", threads=None)
+    try:
+        plan = srv.request("GET", "/api/plan")[2]
+        assert plan["from_last_load"] is True
+        tried = plan["values"]["trial-threads"]
+        assert tried != plan["values"]["threads"], plan["values"]
+        size = tiny_moe.stat().st_size
+        file = trial_path(tmp_path / "routing", tiny_moe, size)
+        for _ in range(3):
+            assert chat(srv, 40)[0] == 200
+            if file.exists():
+                break
+        deadline = time.monotonic() + 10
+        while not file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        verdict, warning = read_trial(file)
+        assert warning == "" and verdict is not None and verdict["threads_measured"]
+        assert sorted(a["threads"] for a in verdict["arms"]) == sorted(
+            [plan["values"]["threads"], tried])
+        again = srv.request("GET", "/api/plan?measure=1")[2]
+        threads = next(d for d in again["decisions"] if d["knob"] == "threads")
+        assert threads["source"] == "measured" and "measured on this model" in threads["brief"]
+        assert again["values"]["threads"] == verdict["threads"]
+        assert "trial-threads" not in again["values"]
+    finally:
+        srv.stop()
 
 
 def test_a_hostile_routing_record_is_ignored_by_the_server(tmp_path: Path,

@@ -212,6 +212,18 @@ def _rows() -> tuple[Param, ...]:
              "Prefill uses cores better than decoding does, so more threads can pay "
              "here; 0 uses the compute threads.",
              0, min=0, max=MAX_THREADS, special=(Named(0, "same as compute threads"),)),
+        _row("trial-threads", "Trial: threads", "int", "generation", "advanced",
+             "A second thread count the first answer tries against Compute threads.",
+             "The planner sets it until it has measured this model: the first answer "
+             "decodes in alternating windows of the two counts, keeps the faster for the "
+             "rest of the session, and the next plan reads the verdict. 0 tries nothing.",
+             0, min=0, max=MAX_THREADS, special=(Named(0, "off"),)),
+        _row("trial-overlap", "Trial: overlap", "bool", "streaming", "advanced",
+             "Lets the first answer try Overlap reads both ways.",
+             "The planner sets it until it has measured this model: with read-ahead on, "
+             "the first answer decodes in alternating windows with overlap on and off, "
+             "keeps the faster, and the next plan reads the verdict.",
+             False),
         _row("temp", "Temperature", "float", "sampling", "basic",
              "How far sampling strays from the likeliest token.",
              "0 always takes the likeliest token, so the same prompt gives the same "

@@ -29,6 +29,7 @@ from typing import Any, Callable, Protocol
 
 import llama_cpp as lc
 
+from .calibrate import Arm, Trial
 from .chatparse import detect_framing
 from .errors import EngineError, LoadError, context_full
 from .grammar_guard import GrammarRefused, check_grammar
@@ -153,6 +154,7 @@ class Session:
         self._batch = None
         self.tool_framing: str | None = None
         self.vision: Vision | None = None
+        self.trial: Trial | None = None       # the first answer's calibration (calibrate.py)
         try:
             self._open(streamer_factory)
         except BaseException:
@@ -219,8 +221,12 @@ class Session:
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self.memory = lc.llama_get_memory(self.ctx)
         self.compute_threads = threads
+        self._threads_batch = tb
         if self.streamer is not None:
             self.streamer.attach(self.model, self.ctx)
+        can_overlap = getattr(self.streamer, "queue", None) is not None
+        self.trial = Trial.from_values(self.values, can_overlap=can_overlap)
+        self._arm = Arm(threads, bool(getattr(self.streamer, "overlap", False)))
 
     def _setup_template(self) -> None:
         raw = lc.llama_model_chat_template(self.model, None)
@@ -493,8 +499,10 @@ class Session:
                     self._emit(on_token, len(out), tok, text, t0, budget, probs)
                     break
                 if len(out) < budget:
+                    t_step = self._trial_arm()
                     try:
                         self._decode([tok], len(self.kv_tokens), want_logits=True)
+                        self._trial_step(t_step)
                     except _Aborted:
                         lc.llama_memory_seq_rm(self.memory, 0, len(self.kv_tokens), -1)
                         finish = "cancelled"
@@ -519,6 +527,24 @@ class Session:
             budget_cut_by_context=(finish == "length" and (max_tokens <= 0 or max_tokens > budget)),
             requested_budget=max_tokens, stop_word=stops.word,
         )
+
+    def _trial_arm(self) -> float:
+        """Decode the next step under the calibration's arm (``calibrate.py``)."""
+        if self.trial is None:
+            return 0.0
+        arm = self.trial.arm()
+        if arm != self._arm:
+            if arm.threads != self._arm.threads:
+                lc.llama_set_n_threads(self.ctx, arm.threads, self._threads_batch)
+                self.compute_threads = arm.threads
+            if self.streamer is not None and hasattr(self.streamer, "overlap"):
+                self.streamer.overlap = arm.overlap
+            self._arm = arm
+        return time.perf_counter()
+
+    def _trial_step(self, t0: float) -> None:
+        if self.trial is not None and not self.trial.done:
+            self.trial.record(time.perf_counter() - t0)
 
     def _emit(self, on_token: Callable[[TokenEvent], None], step: int, tok: int, text: str,
               t0: float, budget: int,

@@ -22,7 +22,8 @@ from .probes import (
     probe_memory,
     probe_storage,
 )
-from .routing import cost_path, read_costs, read_record, record_path
+from .routing import (cost_path, read_costs, read_record, read_trial, record_path,
+                      trial_path)
 
 Progress = Callable[[str, str, int, int], None]
 
@@ -60,8 +61,12 @@ def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: lis
     warning, costs = "", dict[str, Any]()
     if routing_dir is not None:
         record, warning, costs = read_history(routing_dir, facts)
+    trial = None
+    if routing_dir is not None:
+        trial, trial_warning = read_trial(trial_path(routing_dir, facts.path, facts.size))
+        warning = warning or trial_warning
     return make_plan(PlanInputs(facts, memory, storage, compute, dict(values),
-                                list(user_keys), record, warning, costs, loaded_model))
+                                list(user_keys), record, warning, costs, loaded_model, trial))
 
 
 def _check_model(facts: ModelFacts) -> None:

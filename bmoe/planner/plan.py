@@ -63,6 +63,7 @@ class PlanInputs:
     record_warning: str = ""
     costs: dict[str, dict[str, float]] = field(default_factory=dict)
     loaded_model: str = ""                 # a model loaded while measuring
+    trial: dict[str, Any] | None = None    # the first answer's calibration verdict, if kept
 
 
 @dataclass
@@ -348,8 +349,16 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
                   + (f", and {size_text(leave)} is left to other programs" if leave else "")
                   + f". One token cycle is {size_text(p.token_cycle_bytes)} and all the "
                   f"experts {size_text(p.expert_bytes)}.")
+    trial = inp.trial
     if b.user("threads"):
         b.operator("threads")
+    elif trial is not None and trial["threads_measured"]:
+        n = int(trial["threads"])
+        b.add("threads", n, "measured",
+              f"{n}: measured on this model (its first answer decoded with each count).",
+              "Seconds per token by arm of the first answer's calibration: "
+              + ", ".join(f"{a['threads']} threads{' with overlap' if a['overlap'] else ''}: "
+                          f"{a['s_per_token']:.4f}" for a in trial["arms"]) + ".")
     elif inp.compute.rates and _busy(inp.compute):
         c = inp.compute
         n = max(k for k in c.rates if k <= c.spare_cores) if any(
@@ -373,6 +382,7 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
     else:
         b.add("threads", inp.values.get("threads"), "unprobed", "Kept: the matmul could "
               "not be measured.", inp.compute.reason)
+    _decide_trials(b, stream)
     if stream:
         if b.user("io-threads"):
             b.operator("io-threads")
@@ -400,6 +410,45 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
     b.add("memory-ledger", budget, "measured" if budget else "unprobed",
           f"{size_text(budget)} this process may hold.", inp.memory.figures()[
               "memory-budget"].text)
+
+
+def _decide_trials(b: _Builder, stream: bool) -> None:
+    """``trial-threads`` / ``trial-overlap`` until the first answer has measured them on
+    this model (``bmoe/engine/calibrate.py``); ``overlap`` from the verdict once it has."""
+    inp, trial = b.inp, b.inp.trial
+    threads = b.values.get("threads")
+    if not b.user("threads") and isinstance(threads, int) and not (
+            trial is not None and trial["threads_measured"]):
+        alt = _other_threads(inp.compute, threads)
+        if alt:
+            b.add("trial-threads", alt, "policy",
+                  f"{alt}: tried against {threads} on the first answer, which keeps the "
+                  "faster.",
+                  "The matmul probe times one expert's product, not a whole decode step; "
+                  "the first answer decodes in alternating windows of both counts and "
+                  "the verdict is kept for the next plan of this model.")
+    prefetch = int(inp.values.get("prefetch") or 0)
+    if not stream or prefetch <= 0:
+        return
+    if b.user("overlap"):
+        b.operator("overlap")
+    elif trial is not None and trial["overlap_measured"]:
+        on = bool(trial["overlap"])
+        b.add("overlap", on, "measured",
+              f"{'On' if on else 'Off'}: measured on this model (its first answer decoded "
+              "both ways).")
+    else:
+        b.add("trial-overlap", True, "policy",
+              "Tried both ways on the first answer, which keeps the faster.")
+
+
+def _other_threads(c: ComputeFacts, n: int) -> int:
+    """The thread count to try against `n`: the matmul's next best, else a neighbour."""
+    others = sorted((k for k in c.rates if k != n), key=lambda k: -c.rates[k])
+    if others:
+        return int(others[0])
+    cores = max(1, int(c.cores or 1))
+    return n + 1 if n + 1 <= cores else (n - 1 if n > 1 else 0)
 
 
 def _busy(c: ComputeFacts) -> bool:

@@ -244,3 +244,44 @@ def write_cost(file: Path, key: str, row: dict[str, float]) -> None:
     while len(costs) > COST_KEEP:
         costs.pop(next(iter(costs)))
     _write_atomically(file, json.dumps({"configs": costs}, indent=1).encode())
+
+
+# --- the first answer's calibration (bmoe/engine/calibrate.py) ----------------------------
+
+TRIAL_CAP = 16 * 1024        # bytes of a trial verdict file
+
+
+def trial_path(folder: Path, path: str | os.PathLike[str], size: int) -> Path:
+    return folder / f"{model_key(path, size)}.trial.json"
+
+
+def read_trial(file: Path) -> tuple[dict[str, Any] | None, str]:
+    """The kept calibration verdict: ``{threads, overlap, arms, threads_measured,
+    overlap_measured}``, or None (and a warning when the file is there but unusable)."""
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        return None, ""
+    except OSError as e:
+        return None, _warn(file, f"cannot be read ({e.strerror or 'input/output error'})")
+    if len(raw) > TRIAL_CAP:
+        return None, _warn(file, "is larger than a calibration verdict can be")
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None, _warn(file, "is not JSON")
+    arms = data.get("arms") if isinstance(data, dict) else None
+    if not isinstance(arms, list) or not arms or not all(
+            isinstance(a, dict) and type(a.get("threads")) is int and a["threads"] > 0
+            and isinstance(a.get("overlap"), bool)
+            and isinstance(a.get("s_per_token"), (int, float)) for a in arms) \
+            or type(data.get("threads")) is not int or data["threads"] <= 0 \
+            or not isinstance(data.get("overlap"), bool):
+        return None, _warn(file, "is not a calibration verdict")
+    return {"threads": data["threads"], "overlap": data["overlap"], "arms": arms,
+            "threads_measured": len({a["threads"] for a in arms}) > 1,
+            "overlap_measured": len({a["overlap"] for a in arms}) > 1}, ""
+
+
+def write_trial(file: Path, verdict: dict[str, Any]) -> None:
+    _write_atomically(file, json.dumps({**verdict, "at": time.time()}, indent=1).encode())

@@ -38,7 +38,8 @@ from ..http.routes import RouteTable
 from ..http.types import Request, Response
 from ..planner.measure import PlanError, measure
 from ..planner.plan import Plan
-from ..planner.routing import append_record, cost_key, cost_path, record_path, write_cost
+from ..planner.routing import (append_record, cost_key, cost_path, record_path, trial_path,
+                               write_cost, write_trial)
 
 MIN_RECORD_TOKENS = 1
 
@@ -211,12 +212,17 @@ class PlanService:
         rows: list[Any] = []
         if streamer is not None and isinstance(getattr(streamer, "routing", None), list):
             rows, streamer.routing = streamer.routing, []
+        trial = getattr(session, "trial", None)
+        verdict = None
+        if trial is not None and trial.verdict is not None and not trial.kept:
+            verdict, trial.kept = trial.verdict, True
         await trio.to_thread.run_sync(self._write_history, Path(str(session.path)),
                                       dict(values), rows, dict(self.measured),
-                                      float(summary.get("compute_s_tok") or 0.0))
+                                      float(summary.get("compute_s_tok") or 0.0), verdict)
 
     def _write_history(self, path: Path, values: dict[str, Any], rows: list[Any],
-                       measured: dict[str, Any], compute_s: float) -> None:
+                       measured: dict[str, Any], compute_s: float,
+                       verdict: dict[str, Any] | None = None) -> None:
         try:
             size = path.stat().st_size
         except OSError:
@@ -231,6 +237,8 @@ class PlanService:
                                   n_expert=p.n_expert, n_expert_used=p.n_expert_used)
             write_cost(cost_path(self.routing_dir, path, size), cost_key(values),
                        {**measured, "compute_s_tok": compute_s})
+            if verdict is not None:
+                write_trial(trial_path(self.routing_dir, path, size), verdict)
         except OSError as e:
             self.state.bus.log("warn", "the planner could not keep this model's routing "
                                f"record ({e.strerror or 'input/output error'})")
