@@ -4,7 +4,9 @@ The gates of issue 7: greedy tokens of the streamed engine equal the plain resid
 engine's (llama.cpp on mmap, no streamer) for every cache mode, across a KV-prefix reuse
 and after cancelled turns; the routing the streamer captures is the router's choice.
 Issue 16 adds the same gates for read-ahead (every depth, with and without overlap, a
-predictor forced to guess wrong), the cache policies, and the load that reads no experts.
+predictor forced to guess wrong), the cache policies, the load that reads no experts, and
+the graph callback: the native one (the default, so every gate here runs it) against the
+Python one, its fallback, and its calls into Python.
 Models are tiny ones the model maker writes; the sessions run the way the server runs them
 (Session + turn.prepare/run_turn).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +28,7 @@ import numpy as np
 import pytest
 
 from bmoe.engine.errors import EngineError, LoadError
-from bmoe.engine.experts import ExpertStreamer, ggml, nopopulate, streamer_factory
+from bmoe.engine.experts import ExpertStreamer, evalcb, ggml, nopopulate, streamer_factory
 from bmoe.engine.experts import reader as reader_mod
 from bmoe.engine.experts.budget import MIB, resolve
 from bmoe.engine.experts.cache import ExpertCache, NoCache
@@ -554,6 +557,142 @@ def test_a_failed_read_is_an_error_and_the_session_recovers(
         monkeypatch.undo()
         tokens, _, _ = turn(s, QUESTION)
         assert tokens == resident(models, "moe")[0][0]
+    finally:
+        s.close()
+
+
+# -- the graph callback: native (bmoe/native/evalcb.c) against Python -------------------
+
+
+@pytest.mark.parametrize("values", [{"cache-mb": 0}, {"cache-mb": 2},
+                                    {"cache-mb": 2, "prefetch": 2, "overlap": True}],
+                         ids=["nocache", "cache", "read-ahead"])
+def test_native_and_python_callbacks_match_no_streaming(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, values: dict[str, Any]) -> None:
+    def native(st: ExpertStreamer) -> None:
+        assert st.load_info["eval_callback"] == "native" and st.native is not None
+        assert st.stats()["cb_route_calls"] > 0
+
+    def python(st: ExpertStreamer) -> None:
+        assert st.load_info["eval_callback"] == "python: forced by BMOE_EVAL_CALLBACK=python"
+        assert st.native is None and "cb_asks" not in st.stats()
+
+    monkeypatch.delenv(evalcb.ENV, raising=False)
+    got_native = streamed(models["moe"], native, **values)
+    monkeypatch.setenv(evalcb.ENV, "python")
+    got_python = streamed(models["moe"], python, **values)
+    assert got_native == got_python == resident(models, "moe")
+
+
+def count_python_asks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the Python callback's ask-phase calls (install before the session opens)."""
+    asks = [0]
+    original = ExpertStreamer._eval
+
+    def counting(self: ExpertStreamer, t: int, ask: bool, user: Any) -> bool:
+        asks[0] += bool(ask)
+        return original(self, t, ask, user)
+
+    monkeypatch.setattr(ExpertStreamer, "_eval", counting)
+    return asks
+
+
+def test_the_native_callback_enters_python_once_per_moe_layer(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = models["moe"]
+    n_layer = read_layout(path).n_layer
+    monkeypatch.delenv(evalcb.ENV, raising=False)
+    s = open_session(path, **STREAM, **{"cache-mb": 2})
+    tokens = s.tokenize("The quick brown fox jumps over the lazy dog in Paris.")
+    native_asks: list[int] = []
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer) and st.native is not None
+        before = st.stats()
+        assert before["cb_asks"] == 0 and before["cb_binding"]
+        s.prefill(tokens[:4], threading.Event())         # the first graph: binding
+        first = st.stats()
+        assert first["cb_bind_calls"] == 3 * n_layer      # gate, up, down of each layer
+        assert not first["cb_binding"] and not st._unbound
+        assert first["cb_route_calls"] == n_layer
+        for i in range(5, len(tokens) + 1):               # one-token decodes
+            a = st.stats()
+            s.prefill(tokens[:i], threading.Event())
+            b = st.stats()
+            assert b["cb_route_calls"] - a["cb_route_calls"] == n_layer
+            assert b["cb_bind_calls"] == first["cb_bind_calls"]
+            native_asks.append(b["cb_asks"] - a["cb_asks"])
+    finally:
+        s.close()
+    # every node still went through the C side: as many asks as the Python callback gets
+    monkeypatch.setenv(evalcb.ENV, "python")
+    asks = count_python_asks(monkeypatch)
+    s = open_session(path, **STREAM, **{"cache-mb": 2})
+    python_asks = []
+    try:
+        s.prefill(tokens[:4], threading.Event())
+        for i in range(5, len(tokens) + 1):
+            a = asks[0]
+            s.prefill(tokens[:i], threading.Event())
+            python_asks.append(asks[0] - a)
+    finally:
+        s.close()
+    assert native_asks == python_asks
+    assert min(native_asks) > 10 * n_layer      # the nodes answered without Python
+
+
+def test_without_the_extension_the_python_callback_runs(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(evalcb.ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "bmoe.native.evalcb", None)   # an import that fails
+
+    def check(st: ExpertStreamer) -> None:
+        assert st.native is None
+        why = st.load_info["eval_callback"]
+        assert why.startswith("python: the extension bmoe.native.evalcb is not built"), why
+
+    assert streamed(models["moe"], check, **{"cache-mb": 2}) == resident(models, "moe")
+
+
+def test_a_native_side_reading_a_wrong_offset_falls_back(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    right = ggml.native_layout()
+    wrong = list(right)
+    wrong[3] += 8                      # nb: the C side would read nb[1] for nb[0]
+    monkeypatch.delenv(evalcb.ENV, raising=False)
+    monkeypatch.setattr(ggml, "native_layout", lambda: wrong)
+
+    def check(st: ExpertStreamer) -> None:
+        assert st.native is None
+        why = st.load_info["eval_callback"]
+        assert why.startswith("python: the native callback reads the layout probe wrongly")
+        assert "nb reads [12, 60], expected [4, 12]" in why
+
+    assert streamed(models["moe"], check, **{"cache-mb": 2}) == resident(models, "moe")
+
+
+@pytest.mark.parametrize("where", ["_bind", "_routed"])
+def test_a_failure_in_the_native_callback_is_an_error_and_the_session_recovers(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    monkeypatch.delenv(evalcb.ENV, raising=False)
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2})
+    try:
+        assert isinstance(s.streamer, ExpertStreamer) and s.streamer.native is not None
+
+        def broken(*_args: Any) -> None:
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(ExpertStreamer, where, broken)
+        with pytest.raises(EngineError) as err:
+            turn(s, QUESTION)
+        assert err.value.code == "failed"
+        assert err.value.message.startswith("Expert streaming failed: injected")
+        monkeypatch.undo()
+        # a failed bind keeps asking; a failed routing stopped the first graph before it
+        assert s.streamer.stats()["cb_binding"]
+        tokens, _, _ = turn(s, QUESTION)
+        assert tokens == resident(models, "moe")[0][0]
+        assert not s.streamer.stats()["cb_binding"]
     finally:
         s.close()
 
