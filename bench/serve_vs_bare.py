@@ -8,8 +8,9 @@ threads. Then bmoe's Session (the engine loop the server runs, with its per-toke
 telemetry), and a streamed `/v1/chat/completions` through a real bmoe-server
 (client-side: tokens ÷ time from the first to the last content chunk), with expert
 streaming off (same weights path as the baseline) and on (the server's default for a
-MoE file: the graph callback and the expert cache run for every token).
-BENCH_THREADS=N sets the compute threads (default 2).
+MoE file: the graph callback and the expert cache run for every token), the latter with
+the native graph callback (the default) and with the Python one (BMOE_EVAL_CALLBACK=python
+in the server's environment). BENCH_THREADS=N sets the compute threads (default 2).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,7 @@ from bmoe.engine.session import Session  # noqa: E402
 from bmoe.engine.turn import TurnRequest, prepare, run_turn  # noqa: E402
 
 PROMPT = "Tell me a long story about the sea."
-THREADS = int(__import__("os").environ.get("BENCH_THREADS", "2"))
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 N_CTX = 4096
 
 
@@ -81,12 +83,18 @@ def engine_loop(model_path: Path, n: int) -> tuple[float, list[int]]:
         s.close()
 
 
-def server_stream(model_path: Path, n: int, *, moe_stream: bool) -> float:
+def server_stream(model_path: Path, n: int, *, moe_stream: bool,
+                  python_callback: bool = False) -> float:
     data = Path(tempfile.mkdtemp(prefix="bmoe-bench-"))
+    env = dict(os.environ)
+    env.pop("BMOE_EVAL_CALLBACK", None)
+    if python_callback:
+        env["BMOE_EVAL_CALLBACK"] = "python"
     proc = subprocess.Popen([sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
                              str(data), "-m", str(model_path), "-c", str(N_CTX), "--threads",
                              str(THREADS), "--moe-stream" if moe_stream else "--no-moe-stream"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
     try:
         assert proc.stdout is not None
         url = proc.stdout.readline().split("listening on", 1)[1].strip().rstrip("/")
@@ -128,14 +136,16 @@ def main() -> int:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bmoe-bench-model-"))
     model = make_model(tmp / "tiny-moe.gguf")  # 4 layers, 8 experts, top-2, 64 wide
-    bare, eng, srv, srv_streamed = [], [], [], []
+    bare, eng, srv, srv_streamed, srv_python = [], [], [], [], []
     for _ in range(args.runs):
         e, prompt_tokens = engine_loop(model, args.tokens)
         eng.append(e)
         bare.append(bare_loop(model, prompt_tokens, args.tokens))
         srv.append(server_stream(model, args.tokens, moe_stream=False))
         srv_streamed.append(server_stream(model, args.tokens, moe_stream=True))
-    b, e, s, x = (statistics.median(v) for v in (bare, eng, srv, srv_streamed))
+        srv_python.append(server_stream(model, args.tokens, moe_stream=True,
+                                        python_callback=True))
+    b, e, s, x, y = (statistics.median(v) for v in (bare, eng, srv, srv_streamed, srv_python))
     print(f"model: {model.name} (qwen3moe, 4 layers, 8 experts, top-2, 64 wide), "
           f"{args.tokens} tokens, {THREADS} threads, median of {args.runs}")
     print(f"bare llama-cpp-python loop : {b:8.0f} tok/s   (baseline)")
@@ -144,6 +154,13 @@ def main() -> int:
           "experts on llama.cpp's mapping (--no-moe-stream)")
     print(f"  ... with expert streaming: {x:8.0f} tok/s   ({x / b:.2f}x baseline)  "
           "the server's default for a MoE: every expert through the engine's cache")
+    print(f"  ... Python graph callback : {y:8.0f} tok/s   ({y / b:.2f}x baseline)  "
+          "the same with BMOE_EVAL_CALLBACK=python")
+    print(f"streaming on / off in the server: native callback {x / s:.2f}x, "
+          f"Python callback {y / s:.2f}x")
+    print("per run (tok/s): off " + ", ".join(f"{v:.0f}" for v in srv)
+          + "; native " + ", ".join(f"{v:.0f}" for v in srv_streamed)
+          + "; python " + ", ".join(f"{v:.0f}" for v in srv_python))
     return 0
 
 

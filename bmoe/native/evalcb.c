@@ -43,6 +43,7 @@
 typedef bool (*route_fn)(void *node, int32_t layer, int64_t k, int64_t n, int64_t row,
                          void *data);
 typedef int32_t (*bind_fn)(void *node);
+typedef bool (*eval_fn)(void *node, bool ask, void *user_data);
 
 /* The order of the offsets array handed to bmoe_evalcb_init. */
 enum { L_OP, L_NAME, L_NE, L_NB, L_DATA, L_SRC, L_SIZE, L_OP_VIEW, L_OP_MUL_MAT_ID, L_COUNT };
@@ -54,6 +55,7 @@ typedef struct {
     int32_t op_view, op_mul_mat_id;
     route_fn route;
     bind_fn bind;
+    eval_fn forward;           /* when set, every call goes to it (the Python callback) */
     uint64_t asks;             /* ask-phase calls, all answered here */
     uint64_t bind_calls;       /* ask-phase calls forwarded to Python's bind */
     uint64_t route_calls;      /* data-phase calls (one per MoE layer and graph) */
@@ -123,6 +125,14 @@ EXPORT void bmoe_evalcb_stats(const void *state, uint64_t *out) {
     out[3] = (uint64_t)st->binding;
 }
 
+/* Send every call to `fn` (a ggml_backend_sched_eval_callback: the streamer's Python
+ * callback), or, with NULL, answer here again. For comparisons within one context: the
+ * switch is made between two llama_decode calls, on the thread that makes them. */
+EXPORT void bmoe_evalcb_forward(void *state, eval_fn fn) {
+    state_t *st = state;
+    st->forward = fn;
+}
+
 /* "ffn_moe_topk-<l>" -> l, or -1. */
 static int32_t topk_layer(const char *name) {
     if (strncmp(name, TOPK, TOPK_LEN) != 0)
@@ -143,6 +153,8 @@ static int32_t topk_layer(const char *name) {
 EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
     state_t *st = user_data;
     const char *p = node;
+    if (st->forward)
+        return st->forward(node, ask, NULL);
     if (ask) {
         st->asks++;
         int32_t op = *(const int32_t *)(p + st->op);

@@ -63,6 +63,8 @@ def _library() -> ctypes.CDLL:
         lib.bmoe_evalcb_read.restype = ctypes.c_int
         lib.bmoe_evalcb_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.POINTER(ctypes.c_int64)]
+        lib.bmoe_evalcb_forward.restype = None
+        lib.bmoe_evalcb_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.bmoe_evalcb_stats.restype = None
         lib.bmoe_evalcb_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         lib.bmoe_evalcb  # noqa: B018 - the callback itself must be there
@@ -82,6 +84,7 @@ class NativeCallback:
         # keep the ctypes callbacks alive as long as the state that points at them
         self._route = ROUTE(route)
         self._bind = BIND(bind)
+        self._forward: Any = None
         self._state = ctypes.create_string_buffer(lib.bmoe_evalcb_size())
         lay = ggml.native_layout() if layout is None else layout
         arr = (ctypes.c_int64 * len(lay))(*lay)
@@ -109,6 +112,14 @@ class NativeCallback:
             raise NativeUnavailable("the native callback's state is not initialised")
         return {"op": out[0], "ne": [out[1], out[2]], "nb": [out[3], out[4]],
                 "data": out[5], "src[0]": out[6], "name": ctypes.string_at(out[7])}
+
+    def forward(self, fn: Any | None) -> None:
+        """Send every node to `fn` (a `ggml_backend_sched_eval_callback`: the streamer's
+        Python callback) from the next graph on, or with None answer in C again. For
+        comparing the two within one context (bench/evalcb_cost.py); call it between
+        decodes, on the engine thread."""
+        self._forward = fn
+        self.lib.bmoe_evalcb_forward(self._state, ctypes.cast(fn, ctypes.c_void_p) if fn else None)
 
     def stats(self) -> dict[str, Any]:
         """asks (every node's ask phase, answered in C), bind_calls and route_calls (the
