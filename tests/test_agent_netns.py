@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 from _e2e_support import port_of, wait_for
+from _netns import veth_namespace
 from conftest import start_server
 
 from bmoe.agent import preview
@@ -21,8 +21,6 @@ from bmoe.agent import preview
 KEY = "agent-netns-key"
 SUBNET = f"10.214.{os.getpid() % 250}"
 HOST_IP, NS_IP = f"{SUBNET}.1", f"{SUBNET}.2"
-NS = f"bmoe_agent_{os.getpid()}"
-VETH = f"bma{os.getpid() % 100000}"
 
 # Inside the namespace: the requests (one connection each), printed as one JSON line;
 # then an event stream read for a few seconds ("open" once its head arrived).
@@ -60,37 +58,10 @@ print(json.dumps(buf.decode("utf-8", "replace")), flush=True)
 """
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-def _skip_outside_ci(reason: str) -> None:
-    """A real non-loopback peer is required in CI (root, iproute2); elsewhere it may skip."""
-    if os.environ.get("CI"):
-        pytest.fail("CI must run the network-namespace tests: " + reason)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def namespace() -> Iterator[str]:
-    if sys.platform != "linux" or shutil.which("ip") is None:
-        _skip_outside_ci("needs Linux and iproute2 to create a network namespace")
-    try:
-        _ip("netns", "add", NS)
-    except subprocess.CalledProcessError as exc:
-        _skip_outside_ci(f"ip netns is not permitted here: {exc.stderr.decode().strip()}")
-    try:
-        _ip("link", "add", VETH, "type", "veth", "peer", "name", VETH + "n")
-        _ip("link", "set", VETH + "n", "netns", NS)
-        _ip("addr", "add", f"{HOST_IP}/24", "dev", VETH)
-        _ip("link", "set", VETH, "up")
-        _ip("netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/24", "dev", VETH + "n")
-        _ip("netns", "exec", NS, "ip", "link", "set", VETH + "n", "up")
-        _ip("netns", "exec", NS, "ip", "link", "set", "lo", "up")
-        yield NS
-    finally:
-        subprocess.run(["ip", "link", "del", VETH], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    with veth_namespace("agent", SUBNET) as peer:
+        yield peer.ns
 
 
 def test_the_agent_from_the_network(namespace: str, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from _e2e_support import SECURITY_HEADERS, Conn, Reply, call, port_of, request_bytes, wait_for
+from _netns import veth_namespace
 from conftest import ServerProcess, start_server
 
 from bmoe.http import access
@@ -347,8 +348,6 @@ def test_security_headers_on_every_response(keyed: ServerProcess) -> None:
 
 SUBNET = f"10.213.{os.getpid() % 250}"
 HOST_IP, NS_IP = f"{SUBNET}.1", f"{SUBNET}.2"
-NS = f"bmoe_e2e_{os.getpid()}"
-VETH = f"bme{os.getpid() % 100000}"
 
 # Runs inside the namespace: each request on its own connection; prints [status, body].
 NET_CLIENT = r"""
@@ -370,37 +369,10 @@ print(json.dumps(out))
 """
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-def _skip_outside_ci(reason: str) -> None:
-    """A real non-loopback peer is required in CI (root, iproute2); elsewhere it may skip."""
-    if os.environ.get("CI"):
-        pytest.fail("CI must run the network-namespace tests: " + reason)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def namespace() -> Iterator[str]:
-    if sys.platform != "linux" or shutil.which("ip") is None:
-        _skip_outside_ci("needs Linux and iproute2 to create a network namespace")
-    try:
-        _ip("netns", "add", NS)
-    except subprocess.CalledProcessError as exc:
-        _skip_outside_ci(f"ip netns is not permitted here: {exc.stderr.decode().strip()}")
-    try:
-        _ip("link", "add", VETH, "type", "veth", "peer", "name", VETH + "n")
-        _ip("link", "set", VETH + "n", "netns", NS)
-        _ip("addr", "add", f"{HOST_IP}/24", "dev", VETH)
-        _ip("link", "set", VETH, "up")
-        _ip("netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/24", "dev", VETH + "n")
-        _ip("netns", "exec", NS, "ip", "link", "set", VETH + "n", "up")
-        _ip("netns", "exec", NS, "ip", "link", "set", "lo", "up")
-        yield NS
-    finally:
-        subprocess.run(["ip", "link", "del", VETH], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    with veth_namespace("e2e", SUBNET) as peer:
+        yield peer.ns
 
 
 def from_namespace(ns: str, port: int, requests: list[tuple[str, str, list[tuple[str, str]], Any]]) -> list[Any]:

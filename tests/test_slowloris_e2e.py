@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 from _e2e_support import Conn, call, port_of, request_bytes, wait_for
 from _slowloris import check_attack
+from _netns import veth_namespace
 from conftest import ServerProcess, start_server
 
 from bmoe.http import limits
@@ -39,8 +39,6 @@ LONG_TURN = {"messages": [{"role": "user", "content": "Tell me a very long story
 KEY = "sl0wl0ris-key"
 SUBNET = f"10.216.{os.getpid() % 200 + 20}"
 HOST_IP, NS_IP = f"{SUBNET}.1", f"{SUBNET}.2"
-NS = f"bmoe_slow_{os.getpid()}"
-VETH = f"bms{os.getpid() % 100000}"
 
 
 class Watch:
@@ -162,36 +160,10 @@ def test_tricklers_from_loopback(srv: ServerProcess, tricklers: int) -> None:
 
 # --- a network peer --------------------------------------------------------------------------
 
-def _run(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True)
-
-
-def _skip_outside_ci(reason: str) -> None:
-    """A real non-loopback peer is required in CI (root, iproute2); elsewhere it may skip."""
-    if os.environ.get("CI"):
-        pytest.fail("CI must run the network-namespace tests: " + reason)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def namespace() -> Iterator[str]:
-    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None:
-        _skip_outside_ci("needs Linux, root and iproute2 to create a network namespace")
-    try:
-        _run("ip", "netns", "add", NS)
-    except subprocess.CalledProcessError as exc:
-        _skip_outside_ci(f"ip netns is not permitted here: {exc.stderr.decode().strip()}")
-    try:
-        _run("ip", "link", "add", VETH, "type", "veth", "peer", "name", VETH + "n")
-        _run("ip", "link", "set", VETH + "n", "netns", NS)
-        _run("ip", "addr", "add", f"{HOST_IP}/24", "dev", VETH)
-        _run("ip", "link", "set", VETH, "up")
-        _run("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/24", "dev", VETH + "n")
-        _run("ip", "netns", "exec", NS, "ip", "link", "set", VETH + "n", "up")
-        yield NS
-    finally:
-        subprocess.run(["ip", "link", "del", VETH], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    with veth_namespace("slow", SUBNET) as peer:
+        yield peer.ns
 
 
 @pytest.fixture(scope="module")

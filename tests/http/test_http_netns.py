@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 import trio
+from _netns import veth_namespace
 from _http_support import ATTACK_HEAD_TIMEOUT_S, attack, check_attack, check_streams, streaming_app
 
 from bmoe.http import limits
@@ -23,8 +22,6 @@ from bmoe.http.types import Request, Response
 KEY = "n3tw0rk-key"
 SUBNET = f"10.254.{os.getpid() % 200 + 20}"
 HOST_IP, NS_IP = f"{SUBNET}.1", f"{SUBNET}.2"
-NS = f"bmoe_http_{os.getpid()}"
-VETH = f"bmh{os.getpid() % 100000}"
 
 # Sends each raw request on its own connection; prints [status, code] per request.
 CLIENT = r"""
@@ -50,36 +47,10 @@ print(json.dumps(out))
 """
 
 
-def _run(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True)
-
-
-def _skip_outside_ci(reason: str) -> None:
-    """A real non-loopback peer is required in CI (root, iproute2); elsewhere it may skip."""
-    if os.environ.get("CI"):
-        pytest.fail("CI must run the network-namespace tests: " + reason)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def namespace() -> Iterator[str]:
-    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None:
-        _skip_outside_ci("needs Linux, root and iproute2 to create a network namespace")
-    try:
-        _run("ip", "netns", "add", NS)
-    except subprocess.CalledProcessError as exc:
-        _skip_outside_ci(f"ip netns is not permitted here: {exc.stderr.decode().strip()}")
-    try:
-        _run("ip", "link", "add", VETH, "type", "veth", "peer", "name", VETH + "n")
-        _run("ip", "link", "set", VETH + "n", "netns", NS)
-        _run("ip", "addr", "add", f"{HOST_IP}/24", "dev", VETH)
-        _run("ip", "link", "set", VETH, "up")
-        _run("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/24", "dev", VETH + "n")
-        _run("ip", "netns", "exec", NS, "ip", "link", "set", VETH + "n", "up")
-        yield NS
-    finally:
-        subprocess.run(["ip", "link", "del", VETH], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    with veth_namespace("http", SUBNET) as peer:
+        yield peer.ns
 
 
 def _app() -> HttpApp:
