@@ -448,22 +448,18 @@ def _valid_gbnf(draw: st.DrawFn) -> str:
 @_FUZZ
 @given(text=_valid_gbnf(), lazy=st.booleans())
 def test_fuzz_wellformed_gbnf_never_crashes(child: GrammarChild, text: str, lazy: bool) -> None:
-    text = _as_lazy(text) if lazy else text
-    try:
-        check_grammar(text, n_vocab=child.n_vocab)
-    except GrammarRefused as e:
-        _clean_refusal(e)
-        event("refused by the guard")
-        return
-    r = child.compile(text, triggers=[child.call_open] if lazy else None, steps=3)
-    event("built by llama.cpp" if r.built else "refused by llama.cpp")
-    assert not r.crashed, f"llama.cpp crashed (exit {r.returncode}) on:\n{text[:3000]}"
-    assert not r.timed_out, f"llama.cpp hung on:\n{text[:3000]}"
+    _guard_then_compile(child, text, lazy, steps=3)
 
 
 @_FUZZ
 @given(text=_gbnf_texts(), lazy=st.booleans())
 def test_fuzz_gbnf_never_crashes(child: GrammarChild, text: str, lazy: bool) -> None:
+    _guard_then_compile(child, text, lazy, steps=2)
+
+
+def _guard_then_compile(child: GrammarChild, text: str, lazy: bool, steps: int) -> None:
+    """The guard refuses `text` with a clean sentence, or llama.cpp builds and samples it
+    (or refuses it) without crashing or hanging."""
     text = _as_lazy(text) if lazy else text
     try:
         check_grammar(text, n_vocab=child.n_vocab)
@@ -471,7 +467,7 @@ def test_fuzz_gbnf_never_crashes(child: GrammarChild, text: str, lazy: bool) -> 
         _clean_refusal(e)
         event("refused by the guard")
         return
-    r = child.compile(text, triggers=[child.call_open] if lazy else None, steps=2)
+    r = child.compile(text, triggers=[child.call_open] if lazy else None, steps=steps)
     event("built by llama.cpp" if r.built else "refused by llama.cpp")
     assert not r.crashed, f"llama.cpp crashed (exit {r.returncode}) on:\n{text[:3000]}"
     assert not r.timed_out, f"llama.cpp hung on:\n{text[:3000]}"
