@@ -641,6 +641,50 @@ def test_the_native_callback_enters_python_once_per_moe_layer(
     assert min(native_asks) > 10 * n_layer      # the nodes answered without Python
 
 
+@pytest.mark.parametrize("values", [{"load-all": True},
+                                    {"cache-mb": "auto", "cache-floor-mb": 64}],
+                         ids=["load-all", "auto-fits"])
+def test_a_model_that_fits_decodes_without_entering_python(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, values: dict[str, Any]) -> None:
+    path = models["moe"]
+    n_layer = read_layout(path).n_layer
+    monkeypatch.delenv(evalcb.ENV, raising=False)
+    figures = {}
+    for callback in ("native", "python"):
+        if callback == "python":
+            monkeypatch.setenv(evalcb.ENV, "python")
+        s = open_session(path, **STREAM, **values)
+        try:
+            st = s.streamer
+            assert isinstance(st, ExpertStreamer)
+            got = conversation(s)
+            assert got == resident(models, "moe")
+            stats = st.stats()
+            figures[callback] = (stats["hits"], stats["misses"], st.summary()["cache_hit_pct"])
+            if callback == "python":
+                continue
+            assert stats["cb_resident"] and stats["cb_resident_routes"] > 0
+            tokens = s.tokenize("Paris and London in the rain, then the sun again.")
+            s.prefill(tokens[:3], threading.Event())
+            a = st.stats()
+            s.prefill(tokens[:4], threading.Event())          # one decode: no Python
+            b = st.stats()
+            assert b["cb_route_calls"] == a["cb_route_calls"]
+            assert b["cb_resident_routes"] - a["cb_resident_routes"] == n_layer
+            assert b["hits"] - a["hits"] >= n_layer            # each layer's routed experts
+            st.record_routing = True                           # the routing comes back
+            st.token_begin()
+            s.prefill(tokens[:5], threading.Event())
+            st.token_end()
+            c = st.stats()
+            assert not c["cb_resident"]
+            assert c["cb_route_calls"] - b["cb_route_calls"] == n_layer
+            assert len(st.routing) == 1 and st.routing[0].shape == (n_layer, 4)
+        finally:
+            s.close()
+    assert figures["native"] == figures["python"]     # the same hits, counted in C
+
+
 def test_without_the_extension_the_python_callback_runs(
         models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(evalcb.ENV, raising=False)

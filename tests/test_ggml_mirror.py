@@ -37,7 +37,10 @@ def _native(layout: list[int] | None = None) -> evalcb.NativeCallback:
 def test_the_native_side_reads_the_probe_as_the_mirror_does() -> None:
     cb = _native()
     assert cb.fn and cb.user_data
-    assert cb.stats() == {"asks": 0, "bind_calls": 0, "route_calls": 0, "binding": True}
+    assert cb.stats() == {"asks": 0, "bind_calls": 0, "route_calls": 0, "binding": True,
+                          "resident_routes": 0, "resident_hits": 0, "resident": False}
+    assert cb.resident(True, 4, 8) and cb.stats()["resident"]
+    assert not cb.resident(True, 4, 1 << 20)      # more experts than the C side counts
 
 
 def test_the_native_side_refuses_a_wrong_offset() -> None:

@@ -8,7 +8,8 @@
  *   - the VIEW nodes named "ffn_moe_topk-<l>" (the router's choice for layer l): we want
  *     their data; in the data phase we hand layer, shape, row stride and data pointer to
  *     Python's `route` function, which makes those experts resident (one call per MoE
- *     layer and graph);
+ *     layer and graph), unless every expert is resident for good (the model fits the
+ *     cache), where the routing is only counted here (`bmoe_evalcb_resident`);
  *   - the MUL_MAT_ID nodes, while Python still has expert tensors to rebind (the first
  *     evaluation only): their ask phase goes to Python's `bind` function, which returns
  *     how many tensors are still unbound; at 0 we stop forwarding them.
@@ -56,6 +57,10 @@ typedef struct {
     route_fn route;
     bind_fn bind;
     eval_fn forward;           /* when set, every call goes to it (the Python callback) */
+    int32_t resident;          /* every expert resident for good: routings stay here */
+    int32_t n_layer, n_expert;
+    uint64_t resident_routes;  /* routings answered here (resident), and their experts */
+    uint64_t resident_hits;
     uint64_t asks;             /* ask-phase calls, all answered here */
     uint64_t bind_calls;       /* ask-phase calls forwarded to Python's bind */
     uint64_t route_calls;      /* data-phase calls (one per MoE layer and graph) */
@@ -116,13 +121,16 @@ EXPORT int bmoe_evalcb_read(const void *state, const void *node, int64_t *out) {
     return 0;
 }
 
-/* asks, bind_calls, route_calls, binding. */
+/* asks, bind_calls, route_calls, binding, resident_routes, resident_hits, resident. */
 EXPORT void bmoe_evalcb_stats(const void *state, uint64_t *out) {
     const state_t *st = state;
     out[0] = st->asks;
     out[1] = st->bind_calls;
     out[2] = st->route_calls;
     out[3] = (uint64_t)st->binding;
+    out[4] = st->resident_routes;
+    out[5] = st->resident_hits;
+    out[6] = (uint64_t)st->resident;
 }
 
 /* Send every call to `fn` (a ggml_backend_sched_eval_callback: the streamer's Python
@@ -131,6 +139,46 @@ EXPORT void bmoe_evalcb_stats(const void *state, uint64_t *out) {
 EXPORT void bmoe_evalcb_forward(void *state, eval_fn fn) {
     state_t *st = state;
     st->forward = fn;
+}
+
+#define MAX_EXPERT 4096
+
+/* Python says every expert of every layer is resident and nothing can evict one (the
+ * model fits the cache): from now on a routing whose ids are all in 0..n_expert-1 is only
+ * counted here (how many distinct experts it used: the cache's hits), without entering
+ * Python. Anything else still goes to Python's route. 0 turns it off. */
+EXPORT int bmoe_evalcb_resident(void *state, int32_t on, int32_t n_layer, int32_t n_expert) {
+    state_t *st = state;
+    if (on && (n_layer <= 0 || n_expert <= 0 || n_expert > MAX_EXPERT))
+        return -1;
+    st->n_layer = n_layer;
+    st->n_expert = n_expert;
+    st->resident = on ? 1 : 0;
+    return 0;
+}
+
+/* The distinct experts of a routing I32 [k, n] (rows `row` bytes apart), or -1 when an id
+ * is out of range or the layout is not one this reads. */
+static int64_t distinct(const char *data, int64_t k, int64_t n, int64_t row, int32_t n_expert) {
+    uint64_t seen[MAX_EXPERT / 64];
+    if (!data || k <= 0 || n <= 0 || row < 4 * k || row % 4)
+        return -1;
+    memset(seen, 0, sizeof(uint64_t) * (size_t)((n_expert + 63) / 64));
+    int64_t count = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t *ids = (const int32_t *)(data + j * row);
+        for (int64_t i = 0; i < k; i++) {
+            int32_t e = ids[i];
+            if (e < 0 || e >= n_expert)
+                return -1;
+            uint64_t bit = (uint64_t)1 << (e & 63);
+            if (!(seen[e >> 6] & bit)) {
+                seen[e >> 6] |= bit;
+                count++;
+            }
+        }
+    }
+    return count;
 }
 
 /* "ffn_moe_topk-<l>" -> l, or -1. */
@@ -168,11 +216,24 @@ EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
         return false;
     }
     /* the data phase: only for the topk views we asked for */
-    st->route_calls++;
     const int64_t *ne = (const int64_t *)(p + st->ne);
     const size_t *nb = (const size_t *)(p + st->nb);
-    return st->route(node, topk_layer(p + st->name), ne[0], ne[1], (int64_t)nb[1],
-                     *(void *const *)(p + st->data));
+    int32_t layer = topk_layer(p + st->name);
+    void *data = *(void *const *)(p + st->data);
+    if (st->resident && !st->binding && layer >= 0 && layer < st->n_layer) {
+        if (ne[0] == 0 || ne[1] == 0) {
+            st->resident_routes++;   /* a chunk's last layer that outputs no logits */
+            return true;
+        }
+        int64_t hits = distinct(data, ne[0], ne[1], (int64_t)nb[1], st->n_expert);
+        if (hits >= 0) {
+            st->resident_routes++;
+            st->resident_hits += (uint64_t)hits;
+            return true;
+        }
+    }
+    st->route_calls++;
+    return st->route(node, layer, ne[0], ne[1], (int64_t)nb[1], data);
 }
 
 static struct PyModuleDef module = {

@@ -9,7 +9,8 @@ tensors back through `bmoe_evalcb_read` with those offsets. Any failure is
 instead (`load_info["eval_callback"]` says which one runs).
 
 `route(node, layer, k, n, row, data) -> bool` is called once per MoE layer and graph
-with the layer's routing (I32 [k, n], rows `row` bytes apart, at `data`); `bind(node) ->
+(unless `resident(True, ...)` said every expert is in memory for good: then a routing is
+only counted in C) with the layer's routing (I32 [k, n], rows `row` bytes apart, at `data`); `bind(node) ->
 int` for each MUL_MAT_ID node's ask phase while tensors remain to rebind, returning how
 many still do. Both are ctypes callbacks: they run on the engine thread (the one in
 llama_decode), under the GIL, and must not raise.
@@ -65,6 +66,9 @@ def _library() -> ctypes.CDLL:
                                          ctypes.POINTER(ctypes.c_int64)]
         lib.bmoe_evalcb_forward.restype = None
         lib.bmoe_evalcb_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.bmoe_evalcb_resident.restype = ctypes.c_int
+        lib.bmoe_evalcb_resident.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                             ctypes.c_int32]
         lib.bmoe_evalcb_stats.restype = None
         lib.bmoe_evalcb_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         lib.bmoe_evalcb  # noqa: B018 - the callback itself must be there
@@ -121,10 +125,18 @@ class NativeCallback:
         self._forward = fn
         self.lib.bmoe_evalcb_forward(self._state, ctypes.cast(fn, ctypes.c_void_p) if fn else None)
 
+    def resident(self, on: bool, n_layer: int = 0, n_expert: int = 0) -> bool:
+        """Every expert is resident for good (on) or not any more (off): with it on, a
+        routing with ids in range is only counted in C (`resident_routes`,
+        `resident_hits`: the distinct experts it used). False if C refused."""
+        return self.lib.bmoe_evalcb_resident(self._state, int(on), n_layer, n_expert) == 0
+
     def stats(self) -> dict[str, Any]:
         """asks (every node's ask phase, answered in C), bind_calls and route_calls (the
-        calls into Python), binding (whether MUL_MAT_ID asks still go to Python)."""
-        out = (ctypes.c_uint64 * 4)()
+        calls into Python), binding (whether MUL_MAT_ID asks still go to Python),
+        resident_routes and resident_hits (routings counted in C), resident."""
+        out = (ctypes.c_uint64 * 7)()
         self.lib.bmoe_evalcb_stats(self._state, out)
         return {"asks": out[0], "bind_calls": out[1], "route_calls": out[2],
-                "binding": bool(out[3])}
+                "binding": bool(out[3]), "resident_routes": out[4], "resident_hits": out[5],
+                "resident": bool(out[6])}

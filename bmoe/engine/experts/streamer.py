@@ -20,7 +20,11 @@ extension loads and passes its layout check: it answers every ask itself, forwar
 the MUL_MAT_ID asks to `_bind_native` while tensors remain unbound, and calls
 `_route_native` once per MoE layer with the routing's shape and address. Otherwise (or
 with `BMOE_EVAL_CALLBACK=python`) it is `_eval`, a ctypes callback entered for every node.
-`load_info["eval_callback"]` says which. Either way:
+`load_info["eval_callback"]` says which. Once every expert is resident for good (the
+model fits the cache: budget ≥ all experts, no read-ahead, no routing record), the native
+callback stops calling `_route_native`: it checks each routing's ids and counts its
+distinct experts (the cache's hits, credited at `token_end`/`prefill_end`) itself, so a
+token enters Python not at all. Either way:
 
 * `ffn_moe_topk-<l>` (a VIEW of the router's argsort, I32 [n_expert_used, n_tokens], rows
   nb[1] apart): we say yes; with the data we take the union of the routed ids, let the
@@ -109,7 +113,7 @@ class ExpertStreamer:
         self.layout = layout
         self.values = dict(values)
         self.dense_mode = str(values.get("dense-weights", "anon"))
-        self.record_routing = False           # keep every decode token's routing
+        self._record_routing = False          # keep every decode token's routing
         self.routing: list[np.ndarray] = []   # [n_layer_with_experts, n_expert_used] per token
         self.cache: ExpertCache | NoCache | None = None
         self.budget = Budget(0, "off", 0)
@@ -143,7 +147,19 @@ class ExpertStreamer:
         self._populating = False
         self._cb = lc.ggml_backend_sched_eval_callback(self._eval)
         self.native: evalcb.NativeCallback | None = None
+        self._native_resident = False     # routings counted in C: every expert resident
+        self._folded_hits = 0             # of the C side's resident_hits
         self.load_info: dict[str, Any] = {}
+
+    @property
+    def record_routing(self) -> bool:
+        return self._record_routing
+
+    @record_routing.setter
+    def record_routing(self, on: bool) -> None:
+        self._record_routing = bool(on)
+        if on:
+            self._leave_resident()        # every routing has to come to Python again
 
     # -- Streamer protocol: loading ---------------------------------------------------
 
@@ -296,11 +312,46 @@ class ExpertStreamer:
             if layer < 0:
                 raise RuntimeError(f"unexpected routing node {ggml.name_of(node)!r}")
             self._routed(node, layer, k, n, row, data)
+            if not self._native_resident and self._all_resident_for_good():
+                self._enter_resident()
             return True
         except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
             if self._failure is None:
                 self._failure = f"Expert streaming failed: {e}"
             return False
+
+    def _all_resident_for_good(self) -> bool:
+        """Every expert is in memory and nothing will evict or read one: the model fits
+        the cache, no read-ahead, no routing record, every tensor rebound."""
+        cache = self.cache
+        return (isinstance(cache, ExpertCache) and self.predictor is None
+                and not self._record_routing and not self._unbound
+                and self.budget.bytes >= self.layout.expert_bytes
+                and bool(cache.resident.all()) and not cache.pinned.any())
+
+    def _enter_resident(self) -> None:
+        """Let the native callback count the routings itself (no Python per layer)."""
+        assert self.native is not None
+        self._native_resident = self.native.resident(True, self.layout.n_layer,
+                                                      self.layout.n_expert)
+
+    def _leave_resident(self) -> None:
+        if self._native_resident and self.native is not None:
+            self._fold_resident()
+            self.native.resident(False)
+            self._native_resident = False
+
+    def _fold_resident(self) -> None:
+        """Credit the hits the native callback counted on its own to the cache and the
+        current counters (every routed expert was resident: all hits)."""
+        if not self._native_resident or self.native is None:
+            return
+        total = int(self.native.stats()["resident_hits"])
+        hits, self._folded_hits = total - self._folded_hits, total
+        if hits and isinstance(self.cache, ExpertCache):
+            self.cache.hits += hits
+            for c in (self._turn if self._in_prefill else self._token, self._total):
+                c.hits += hits
 
     def _bind(self, node: int) -> None:
         weight = ggml.tensor_at(node).src[0]
@@ -560,6 +611,7 @@ class ExpertStreamer:
         self._in_prefill = True
 
     def prefill_end(self) -> None:
+        self._fold_resident()
         self._in_prefill = False
 
     def token_begin(self) -> None:
@@ -570,6 +622,7 @@ class ExpertStreamer:
             self._busy_at = self.queue.busy_s
 
     def token_end(self) -> dict[str, Any]:
+        self._fold_resident()
         c = self._token
         if self.record_routing and self._route_row:
             rows = self._route_row
@@ -606,6 +659,7 @@ class ExpertStreamer:
         }
 
     def summary(self) -> dict[str, Any]:
+        self._fold_resident()
         cache = self.cache
         total = self._total
         return {
@@ -641,6 +695,7 @@ class ExpertStreamer:
 
     def stats(self) -> dict[str, Any]:
         """Totals since load (for benchmarks and tests; per-token figures are token_end's)."""
+        self._fold_resident()
         c = self._total
         return {"read_bytes": c.read_bytes, "io_s": c.io_s, "mgmt_s": c.mgmt_s,
                 "stall_s": c.stall_s, "spec_bytes": c.spec_bytes,
@@ -661,7 +716,8 @@ class ExpertStreamer:
             return {}
         st = self.native.stats()
         return {"cb_asks": st["asks"], "cb_bind_calls": st["bind_calls"],
-                "cb_route_calls": st["route_calls"], "cb_binding": st["binding"]}
+                "cb_route_calls": st["route_calls"], "cb_binding": st["binding"],
+                "cb_resident_routes": st["resident_routes"], "cb_resident": st["resident"]}
 
     def failure(self) -> str | None:
         """The message of a failure inside the graph callback since the last call, if any."""
