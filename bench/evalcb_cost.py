@@ -9,14 +9,16 @@ token by token in two sessions, one after the other, in this process:
 
   off       llama.cpp on mmap, no streamer and no callback, the file in the page cache
   streamed  bmoe streaming with every expert read at load (`load-all`: no reads while
-            decoding, so the difference is the callback), alternating token by token
-            between the native callback and the Python one (the C side forwards every
-            node to the streamer's Python callback `_eval`: the Python path plus one C
-            call), so both see the same machine load and KV length
+            decoding, so the difference is the callback), cycling token by token through
+            `native` (the C callback; every expert resident, so the routings are counted
+            in C), `python` (the C side forwards every node to the streamer's Python
+            callback `_eval`: the Python path plus one C call) and `native+route` (the C
+            callback calling Python once per MoE layer, as when experts stream), so all
+            three see the same machine load and KV length
 
 The first --warmup tokens of each session are not timed. It prints each mode's median
-s/token, the per-token paired difference python - native (the median over adjacent
-pairs), each against `off`, and the nodes per token the callback was asked about and the
+s/token against `off`, the paired differences python - native and native+route - native
+(medians over adjacent triples), and the nodes per token the callback was asked about and the
 calls into Python the native one made. Needs about 10 GiB of memory: the page cache of
 the file, then 4.5 GiB of experts.
 """
@@ -38,6 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stream_vs_mmap import TEXT, make_bench_model, warm_page_cache  # noqa: E402
+
+
+MODES = ("native", "python", "native+route")
 
 
 def teacher_force(s: Any, tokens: list[int], before: Any = None) -> list[float]:
@@ -84,9 +89,13 @@ def run_streamed(model: Path, tokens: list[int], args: argparse.Namespace) -> di
 
         def before(i: int) -> None:
             counts.append(native.stats())
-            python = i % 2 == 0
-            native.forward(st._cb if python else None)
-            modes.append("python" if python else "native")
+            mode = MODES[i % len(MODES)]
+            native.forward(st._cb if mode == "python" else None)
+            # a routing record keeps every layer's routing going to Python
+            st.record_routing = mode == "native+route"
+            if mode == "native" and not st._native_resident:
+                st._enter_resident()
+            modes.append(mode)
 
         walls = teacher_force(s, tokens, before)
         counts.append(native.stats())
@@ -127,27 +136,36 @@ def main(argv: list[str]) -> int:
     res = run_streamed(model, tokens, args)
     w = args.warmup
     walls, modes = res["walls"][w:], res["modes"][w:]
-    nat = [t for t, m in zip(walls, modes, strict=True) if m == "native"]
-    py = [t for t, m in zip(walls, modes, strict=True) if m == "python"]
-    pairs = [walls[i + 1] - walls[i] if modes[i] == "native" else walls[i] - walls[i + 1]
-             for i in range(0, len(walls) - 1, 2)]
+    by = {m: [t for t, mm in zip(walls, modes, strict=True) if mm == m] for m in MODES}
+    # adjacent triples (each mode once) give paired differences
+    triples = [dict(zip(modes[i:i + 3], walls[i:i + 3], strict=True))
+               for i in range(0, len(walls) - 2, 3)]
+    triples = [t for t in triples if len(t) == 3]
+    pairs = [t["python"] - t["native"] for t in triples]
+    route_pairs = [t["native+route"] - t["native"] for t in triples]
     asks = [a for a, m in zip(res["asks"][w:], modes, strict=True) if m == "native"]
-    routes = [r for r, m in zip(res["routes"][w:], modes, strict=True) if m == "native"]
-    m_off, m_nat, m_py = (statistics.median(v) for v in (off, nat, py))
-    diff = statistics.median(pairs)
+    routes = {m: statistics.median([r for r, mm in zip(res["routes"][w:], modes, strict=True)
+                                    if mm == m]) for m in ("native", "native+route")}
+    m_off = statistics.median(off)
+    m_nat, m_py, m_rt = (statistics.median(by[m]) for m in MODES)
     print(f"model: {model.name}; {len(tokens)} tokens per session, the first {w} not timed; "
           f"{args.threads} compute thread(s); streamed load (load-all) {res['load_s']:.1f} s")
     print(f"nodes per token asked about: {statistics.median(asks):.0f}; calls into Python "
-          f"per token with the native callback: {statistics.median(routes):.0f} "
-          f"(one per MoE layer)")
-    print(f"off      (no streamer, no callback)   median {m_off:.4f} s/tok  ({len(off)} tokens)")
-    print(f"native   (streamed, every expert in)  median {m_nat:.4f} s/tok  ({len(nat)} tokens)"
-          f"  {1000 * (m_nat - m_off):+.1f} ms vs off")
-    print(f"python   (streamed, every expert in)  median {m_py:.4f} s/tok  ({len(py)} tokens)"
-          f"  {1000 * (m_py - m_off):+.1f} ms vs off")
-    print(f"paired python - native: median {1000 * diff:.2f} ms/token over {len(pairs)} pairs "
-          f"(quartiles {1000 * statistics.quantiles(pairs, n=4)[0]:.2f} .. "
-          f"{1000 * statistics.quantiles(pairs, n=4)[2]:.2f})")
+          f"per token: native {routes['native']:.0f} (routings counted in C), "
+          f"native+route {routes['native+route']:.0f} (one per MoE layer)")
+    print(f"off           (no streamer, no callback)  median {m_off:.4f} s/tok  "
+          f"({len(off)} tokens)")
+    for name, med in (("native", m_nat), ("python", m_py), ("native+route", m_rt)):
+        print(f"{name:13s} (streamed, experts in)     median {med:.4f} s/tok  "
+              f"({len(by[name])} tokens)  {1000 * (med - m_off):+.1f} ms vs off")
+
+    def q(v: list[float]) -> str:
+        qs = statistics.quantiles(v, n=4)
+        return (f"median {1000 * statistics.median(v):.2f} ms/token (quartiles "
+                f"{1000 * qs[0]:.2f} .. {1000 * qs[2]:.2f}) over {len(v)} triples")
+
+    print(f"paired python - native:       {q(pairs)}")
+    print(f"paired native+route - native: {q(route_pairs)}")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"total {time.monotonic() - t_all:.0f} s")
     if args.json:
