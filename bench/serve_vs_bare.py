@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llama_cpp as lc  # noqa: E402
 
 from bmoe.modelmaker import make_model  # noqa: E402
+from bmoe.engine.experts import streamer_factory  # noqa: E402
 from bmoe.engine.session import Session  # noqa: E402
 from bmoe.engine.turn import TurnRequest, prepare, run_turn  # noqa: E402
 
@@ -70,8 +71,20 @@ def bare_loop(model_path: Path, prompt_tokens: list[int], n: int) -> float:
     return count / dt
 
 
-def engine_loop(model_path: Path, n: int) -> tuple[float, list[int]]:
-    s = Session(model_path, {"ctx-size": N_CTX, "threads": THREADS})
+def engine_loop(model_path: Path, n: int, *, moe_stream: bool = False,
+                python_callback: bool = False) -> tuple[float, list[int]]:
+    values: dict[str, object] = {"ctx-size": N_CTX, "threads": THREADS}
+    if moe_stream:      # the server's defaults for a MoE file: streaming, cache-mb auto
+        values.update({"moe-stream": True, "cache-mb": "auto"})
+    before = os.environ.pop("BMOE_EVAL_CALLBACK", None)
+    if python_callback:
+        os.environ["BMOE_EVAL_CALLBACK"] = "python"
+    try:
+        s = Session(model_path, values, streamer_factory)
+    finally:
+        os.environ.pop("BMOE_EVAL_CALLBACK", None)
+        if before is not None:
+            os.environ["BMOE_EVAL_CALLBACK"] = before
     try:
         req = TurnRequest(messages=[{"role": "user", "content": PROMPT}], max_tokens=n,
                           think=False)
@@ -137,9 +150,13 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bmoe-bench-model-"))
     model = make_model(tmp / "tiny-moe.gguf")  # 4 layers, 8 experts, top-2, 64 wide
     bare, eng, srv, srv_streamed, srv_python = [], [], [], [], []
+    eng_native, eng_python = [], []
     for _ in range(args.runs):
         e, prompt_tokens = engine_loop(model, args.tokens)
         eng.append(e)
+        eng_native.append(engine_loop(model, args.tokens, moe_stream=True)[0])
+        eng_python.append(engine_loop(model, args.tokens, moe_stream=True,
+                                      python_callback=True)[0])
         bare.append(bare_loop(model, prompt_tokens, args.tokens))
         srv.append(server_stream(model, args.tokens, moe_stream=False))
         srv_streamed.append(server_stream(model, args.tokens, moe_stream=True))
@@ -150,6 +167,9 @@ def main() -> int:
           f"{args.tokens} tokens, {THREADS} threads, median of {args.runs}")
     print(f"bare llama-cpp-python loop : {b:8.0f} tok/s   (baseline)")
     print(f"bmoe engine (Session)      : {e:8.0f} tok/s   ({e / b:.2f}x baseline)")
+    en, ep = statistics.median(eng_native), statistics.median(eng_python)
+    print(f"  ... with expert streaming: {en:8.0f} tok/s   ({en / b:.2f}x baseline)  "
+          f"native callback; {ep:.0f} tok/s ({ep / b:.2f}x) with the Python one")
     print(f"bmoe-server streamed chat  : {s:8.0f} tok/s   ({s / b:.2f}x baseline)  "
           "experts on llama.cpp's mapping (--no-moe-stream)")
     print(f"  ... with expert streaming: {x:8.0f} tok/s   ({x / b:.2f}x baseline)  "
@@ -157,7 +177,7 @@ def main() -> int:
     print(f"  ... Python graph callback : {y:8.0f} tok/s   ({y / b:.2f}x baseline)  "
           "the same with BMOE_EVAL_CALLBACK=python")
     print(f"streaming on / off in the server: native callback {x / s:.2f}x, "
-          f"Python callback {y / s:.2f}x")
+          f"Python callback {y / s:.2f}x; in the engine: {en / e:.2f}x, {ep / e:.2f}x")
     print("per run (tok/s): off " + ", ".join(f"{v:.0f}" for v in srv)
           + "; native " + ", ".join(f"{v:.0f}" for v in srv_streamed)
           + "; python " + ", ".join(f"{v:.0f}" for v in srv_python))
