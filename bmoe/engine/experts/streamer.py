@@ -157,9 +157,9 @@ class ExpertStreamer:
 
     @record_routing.setter
     def record_routing(self, on: bool) -> None:
+        # may be set from another thread (the server's planner): the engine thread leaves
+        # the native resident mode at the next token_begin/prefill_begin
         self._record_routing = bool(on)
-        if on:
-            self._leave_resident()        # every routing has to come to Python again
 
     # -- Streamer protocol: loading ---------------------------------------------------
 
@@ -607,6 +607,8 @@ class ExpertStreamer:
     # -- Streamer protocol: per token and per turn ------------------------------------
 
     def prefill_begin(self) -> None:
+        if self._record_routing:
+            self._leave_resident()        # every routing has to come to Python again
         self._turn = _Counters()
         self._in_prefill = True
 
@@ -615,6 +617,8 @@ class ExpertStreamer:
         self._in_prefill = False
 
     def token_begin(self) -> None:
+        if self._record_routing:
+            self._leave_resident()
         self._token = _Counters()
         self._route_row.clear()
         self._guess.clear()
