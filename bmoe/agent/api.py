@@ -104,13 +104,17 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "(auto: on when listening on loopback only)")
     p.add_argument("--skills-dir", type=Path, default=None, metavar="DIR",
                    help="the folder of bundled skills (default: the ones shipped with bmoe)")
+    p.add_argument("--mcp-servers-config", type=Path, default=None, metavar="PATH",
+                   help="the MCP servers the agent may use, in the {\"mcpServers\": ...} "
+                        "format (default: <data>/mcp.json)")
 
 
 def attach(state: Any, args: argparse.Namespace) -> None:
     state.agent = AgentService(state, state.options.data_dir,
                                chat_only=bool(getattr(args, "chat_only", False)),
                                preview_network=getattr(args, "preview_network", "auto"),
-                               skills_dir=getattr(args, "skills_dir", None))
+                               skills_dir=getattr(args, "skills_dir", None),
+                               mcp_config=getattr(args, "mcp_servers_config", None))
 
 
 async def run(state: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -142,9 +146,26 @@ async def get_agent(svc: AgentService, request: Request) -> Response:
     others = await trio.to_thread.run_sync(clients.catalog)
     agents += [{"id": c["id"], "name": c["name"], "builtin": False, "program": c["program"],
                 "installed": shutil.which(c["program"]) is not None} for c in others]
+    mcp: list[dict[str, Any]] = []
+    mcp_error = None
+    if has_tools and request.peer_is_loopback:
+        svc.mcp.want_all()                 # a server starts when first asked about
+        mcp, mcp_error = svc.mcp.listing(), svc.mcp.config_error
     return Response.json({"tools": has_tools,
                           "commands": has_tools and shutil.which("sh") is not None,
-                          "agents": agents, "mcp": []})
+                          "agents": agents, "mcp": mcp, "mcp_error": mcp_error})
+
+
+async def restart_mcp(svc: AgentService, request: Request) -> Response:
+    """Start the MCP server again now (a failed one without waiting out its back-off)."""
+    require_local(request)
+    request.json()
+    server = svc.mcp.servers.get(request.path_params["name"])
+    if server is None or svc.chat_only:
+        raise not_found("MCP server")
+    server.restart()
+    await trio.lowlevel.checkpoint()
+    return Response.json(server.entry())
 
 
 # -- conversations ------------------------------------------------------------------------
@@ -612,4 +633,5 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("POST", "/api/tasks/{id}/run", run_task, True),
     ("GET", "/api/clients", list_clients, True),
     ("POST", "/api/connect/{id}", connect_client, True),
+    ("POST", "/api/mcp/{name}/restart", restart_mcp, True),
 ]

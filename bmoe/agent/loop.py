@@ -31,7 +31,7 @@ from ..server.turnevents import (Finished, ReasoningDelta, Reset, TextDelta, Too
                                  ToolCallStart, TurnEvent)
 from ..server.turnservice import Turn, drive
 from . import conversation as cv
-from . import providers, skills, tools
+from . import mcp, providers, skills, tools
 from .paths import ToolError
 
 if TYPE_CHECKING:
@@ -135,6 +135,8 @@ class Run:
             if on:
                 offered = [*offered, skills.SPEC]
                 system += skills.system_note(on)
+            if conv["mode"] != "read" and self.svc.mcp.servers:
+                offered = [*offered, *await self.svc.mcp.specs()]
         # the assistant item just added holds nothing yet: the model answers after the rest
         if conv["route"] == "local":
             finish = await self.local_round_fitting(system, offered, sink)
@@ -226,6 +228,9 @@ class Run:
             args = None
         if name == skills.TOOL and root is not None and not svc.chat_only and conv.get("skills"):
             return await self.read_skill(item, args)
+        found = svc.mcp.find(name) if root is not None and not svc.chat_only else None
+        if found is not None:
+            return await self.run_mcp(item, args, *found)
         if root is None or svc.chat_only or name not in tools.SPECS:
             return self.finish(item, "failed", f"There is no tool named {name!r} here.")
         if name not in offered:
@@ -233,14 +238,8 @@ class Run:
                                "written and commands cannot be run.")
         if not isinstance(args, dict):
             return self.finish(item, "failed", "The arguments are not a JSON object.")
-        if name in tools.WRITE_TOOLS and conv["mode"] == "ask" and name not in conv["allowed"]:
-            decision, reason = await self.approval(item)
-            if decision == "deny":
-                item["reason"] = reason
-                said = "The person denied this call." + (f" Their reason: {reason}" if reason else "")
-                return self.finish(item, "denied", said)
-            if decision == "always" and name not in conv["allowed"]:
-                conv["allowed"].append(name)
+        if name in tools.WRITE_TOOLS and not await self.approved(item):
+            return None
         item["state"] = "running"
         svc.item_changed(conv, item)
         try:
@@ -254,6 +253,27 @@ class Run:
             return self.finish(item, "failed", f"The file could not be used: "
                                f"{e.strerror or 'the system refused'}.")
         self.finish(item, "done", out)
+
+    async def run_mcp(self, item: cv.Item, args: Any, server: mcp.Server, tool: str) -> None:
+        """An MCP server's tool: what it does is unknown here, so it is treated as a
+        command is (refused in `read`, asked about in `ask`, run in `full`)."""
+        conv, name = self.conv, item["name"]
+        if conv["mode"] == "read":
+            return self.finish(item, "denied", "This conversation is read-only: MCP tools "
+                               "cannot be used.")
+        if server.state == "running" and tool not in {t.name for t in server.tools}:
+            return self.finish(item, "failed", f"There is no tool named {name!r} here.")
+        if not isinstance(args, dict):
+            return self.finish(item, "failed", "The arguments are not a JSON object.")
+        if not await self.approved(item):
+            return None
+        item["state"] = "running"
+        self.svc.item_changed(conv, item)
+        try:
+            ok, out = await server.call(tool, args)
+        except mcp.McpCallError as e:
+            return self.finish(item, "failed", e.message)
+        self.finish(item, "done" if ok else "failed", out)
 
     async def read_skill(self, item: cv.Item, args: Any) -> None:
         """`read_skill`: reads what the person installed, so it is never asked about."""
@@ -273,6 +293,22 @@ class Run:
     def finish(self, item: cv.Item, state: str, output: str) -> None:
         item["state"], item["output"] = state, output
         self.svc.item_changed(self.conv, item)
+
+    async def approved(self, item: cv.Item) -> bool:
+        """In `ask` mode, whether the person lets this call run (a call they denied is
+        finished here); in `full`, and for a tool they allowed always, True."""
+        conv, name = self.conv, item["name"]
+        if conv["mode"] != "ask" or name in conv["allowed"]:
+            return True
+        decision, reason = await self.approval(item)
+        if decision == "deny":
+            item["reason"] = reason
+            said = "The person denied this call." + (f" Their reason: {reason}" if reason else "")
+            self.finish(item, "denied", said)
+            return False
+        if decision == "always" and name not in conv["allowed"]:
+            conv["allowed"].append(name)
+        return True
 
     async def approval(self, item: cv.Item) -> tuple[str, str]:
         event, answer = trio.Event(), dict[str, Any]()

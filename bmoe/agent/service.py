@@ -28,6 +28,7 @@ from ..http.errors import HTTPError
 from . import conversation as cv
 from . import store
 from .loop import Run, failure_notice, load_test_script
+from .mcp import McpServers
 from .providers import ProviderStore
 from .skills import SkillStore
 from .tasks import Tasks
@@ -47,7 +48,8 @@ def not_found(what: str = "conversation") -> HTTPError:
 
 class AgentService:
     def __init__(self, state: Any, data_dir: Path, *, chat_only: bool = False,
-                 preview_network: str = "auto", skills_dir: Path | None = None) -> None:
+                 preview_network: str = "auto", skills_dir: Path | None = None,
+                 mcp_config: Path | None = None) -> None:
         self.state = state
         self.dir = data_dir / "agent"
         self.conv_dir = self.dir / "conversations"
@@ -58,6 +60,7 @@ class AgentService:
         self.providers = ProviderStore(data_dir)
         self.skills = SkillStore(data_dir, skills_dir)
         self.tasks = Tasks(self, self.dir / "tasks.json")
+        self.mcp = McpServers(mcp_config or data_dir / "mcp.json", self._publish_mcp)
         self.runs: dict[str, Run] = {}
         self.stopping = False
         self._locks: dict[str, trio.Lock] = {}
@@ -84,6 +87,7 @@ class AgentService:
                 self.workspaces[w["id"]] = w
         self.providers.load()
         self.tasks.load()
+        self.mcp.load()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await trio.to_thread.run_sync(self.load)
@@ -93,6 +97,9 @@ class AgentService:
                 task_status.started()
                 if not self.chat_only:
                     nursery.start_soon(self.tasks.run)    # a missed run starts now
+                    nursery.start_soon(self.mcp.run)      # each server starts when wanted
+                    if self.mcp.config_error:
+                        self.state.bus.log("warning", self.mcp.config_error)
                 await trio.sleep_forever()
         finally:
             self.stopping = True
@@ -101,6 +108,9 @@ class AgentService:
 
     def _publish(self, conv: cv.Conv, name: str, data: Any) -> None:
         self.state.bus.publish(name, data, local_only=cv.is_private(conv))
+
+    def _publish_mcp(self, entry: dict[str, Any]) -> None:
+        self.state.bus.publish("mcp", entry, local_only=True)
 
     def touch(self, conv: cv.Conv) -> None:
         conv["updated"] = cv.now()
