@@ -280,7 +280,7 @@ def test_wrong_guesses_only_cost_bandwidth(models: dict[str, Path], overlap: boo
     assert got == resident(models, "moe")
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "next-use"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "next-use", "reuse"])
 def test_cache_policies_match(models: dict[str, Path], policy: str) -> None:
     def check(st: ExpertStreamer) -> None:
         assert st.summary()["cache_policy"] == policy
@@ -649,7 +649,7 @@ def test_a_model_that_fits_decodes_without_entering_python(
     path = models["moe"]
     n_layer = read_layout(path).n_layer
     monkeypatch.delenv(evalcb.ENV, raising=False)
-    figures = {}
+    figures, records = {}, {}
     for callback in ("native", "python"):
         if callback == "python":
             monkeypatch.setenv(evalcb.ENV, "python")
@@ -661,28 +661,30 @@ def test_a_model_that_fits_decodes_without_entering_python(
             assert got == resident(models, "moe")
             stats = st.stats()
             figures[callback] = (stats["hits"], stats["misses"], st.summary()["cache_hit_pct"])
-            if callback == "python":
-                continue
-            assert stats["cb_resident"] and stats["cb_resident_routes"] > 0
             tokens = s.tokenize("Paris and London in the rain, then the sun again.")
             s.prefill(tokens[:3], threading.Event())
             a = st.stats()
-            s.prefill(tokens[:4], threading.Event())          # one decode: no Python
+            s.prefill(tokens[:4], threading.Event())          # one decode
             b = st.stats()
-            assert b["cb_route_calls"] == a["cb_route_calls"]
+            st.record_routing = True                           # a routing record, too
+            for i in (5, 6):
+                st.token_begin()
+                s.prefill(tokens[:i], threading.Event())
+                st.token_end()
+            c = st.stats()
+            records[callback] = np.array(st.routing)
+            assert records[callback].shape == (2, n_layer, 4)
+            if callback == "python":
+                continue
+            assert stats["cb_resident"] and stats["cb_resident_routes"] > 0
+            assert b["cb_route_calls"] == a["cb_route_calls"]  # no Python
             assert b["cb_resident_routes"] - a["cb_resident_routes"] == n_layer
             assert b["hits"] - a["hits"] >= n_layer            # each layer's routed experts
-            st.record_routing = True                           # the routing comes back
-            st.token_begin()
-            s.prefill(tokens[:5], threading.Event())
-            st.token_end()
-            c = st.stats()
-            assert not c["cb_resident"]
-            assert c["cb_route_calls"] - b["cb_route_calls"] == n_layer
-            assert len(st.routing) == 1 and st.routing[0].shape == (n_layer, 4)
+            assert c["cb_resident"] and c["cb_route_calls"] == b["cb_route_calls"]
         finally:
             s.close()
     assert figures["native"] == figures["python"]     # the same hits, counted in C
+    np.testing.assert_array_equal(records["native"], records["python"])  # written in C
 
 
 def test_without_the_extension_the_python_callback_runs(

@@ -9,7 +9,9 @@
  *     their data; in the data phase we hand layer, shape, row stride and data pointer to
  *     Python's `route` function, which makes those experts resident (one call per MoE
  *     layer and graph), unless every expert is resident for good (the model fits the
- *     cache), where the routing is only counted here (`bmoe_evalcb_resident`);
+ *     cache), where the routing is only counted here (`bmoe_evalcb_resident`), and a
+ *     one-token graph's ids copied into Python's rows for the routing record
+ *     (`bmoe_evalcb_record`);
  *   - the MUL_MAT_ID nodes, while Python still has expert tensors to rebind (the first
  *     evaluation only): their ask phase goes to Python's `bind` function, which returns
  *     how many tensors are still unbound; at 0 we stop forwarding them.
@@ -64,6 +66,8 @@ typedef struct {
     uint64_t asks;             /* ask-phase calls, all answered here */
     uint64_t bind_calls;       /* ask-phase calls forwarded to Python's bind */
     uint64_t route_calls;      /* data-phase calls (one per MoE layer and graph) */
+    int32_t *rec;              /* Python's [rec_layers][rec_k] rows: a one-token graph's */
+    int32_t rec_layers, rec_k; /* routing, written here while resident (routing records) */
 } state_t;
 
 static const char TOPK[] = "ffn_moe_topk-";
@@ -157,6 +161,19 @@ EXPORT int bmoe_evalcb_resident(void *state, int32_t on, int32_t n_layer, int32_
     return 0;
 }
 
+/* Where a one-token graph's routing is written while resident (`buf`, n_layer rows of k
+ * ids, owned by Python and kept alive by it), so a routing record needs no Python per
+ * layer; NULL stops it. */
+EXPORT int bmoe_evalcb_record(void *state, int32_t *buf, int32_t n_layer, int32_t k) {
+    state_t *st = state;
+    if (buf && (n_layer <= 0 || k <= 0 || k > MAX_EXPERT))
+        return -1;
+    st->rec = buf;
+    st->rec_layers = buf ? n_layer : 0;
+    st->rec_k = buf ? k : 0;
+    return 0;
+}
+
 /* The distinct experts of a routing I32 [k, n] (rows `row` bytes apart), or -1 when an id
  * is out of range or the layout is not one this reads. */
 static int64_t distinct(const char *data, int64_t k, int64_t n, int64_t row, int32_t n_expert) {
@@ -229,6 +246,9 @@ EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
         if (hits >= 0) {
             st->resident_routes++;
             st->resident_hits += (uint64_t)hits;
+            if (st->rec && ne[1] == 1 && ne[0] == st->rec_k && layer < st->rec_layers)
+                memcpy(st->rec + (size_t)layer * (size_t)st->rec_k, data,
+                       sizeof(int32_t) * (size_t)st->rec_k);   /* ids checked by distinct */
             return true;
         }
     }

@@ -69,6 +69,9 @@ def _library() -> ctypes.CDLL:
         lib.bmoe_evalcb_resident.restype = ctypes.c_int
         lib.bmoe_evalcb_resident.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                              ctypes.c_int32]
+        lib.bmoe_evalcb_record.restype = ctypes.c_int
+        lib.bmoe_evalcb_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                           ctypes.c_int32]
         lib.bmoe_evalcb_stats.restype = None
         lib.bmoe_evalcb_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         lib.bmoe_evalcb  # noqa: B018 - the callback itself must be there
@@ -89,6 +92,7 @@ class NativeCallback:
         self._route = ROUTE(route)
         self._bind = BIND(bind)
         self._forward: Any = None
+        self._rows: Any = None
         self._state = ctypes.create_string_buffer(lib.bmoe_evalcb_size())
         lay = ggml.native_layout() if layout is None else layout
         arr = (ctypes.c_int64 * len(lay))(*lay)
@@ -130,6 +134,19 @@ class NativeCallback:
         routing with ids in range is only counted in C (`resident_routes`,
         `resident_hits`: the distinct experts it used). False if C refused."""
         return self.lib.bmoe_evalcb_resident(self._state, int(on), n_layer, n_expert) == 0
+
+    def record(self, rows: Any | None) -> bool:
+        """While resident, write each one-token graph's routing into `rows` (an int32
+        numpy array [n_layer, n_expert_used], C-contiguous, kept alive here); None stops.
+        False if C refused the shape."""
+        if rows is None:
+            self._rows = None
+            return self.lib.bmoe_evalcb_record(self._state, None, 0, 0) == 0
+        if rows.dtype.str != "<i4" or rows.ndim != 2 or not rows.flags.c_contiguous:
+            return False
+        self._rows = rows
+        return self.lib.bmoe_evalcb_record(self._state, rows.ctypes.data, rows.shape[0],
+                                           rows.shape[1]) == 0
 
     def stats(self) -> dict[str, Any]:
         """asks (every node's ask phase, answered in C), bind_calls and route_calls (the

@@ -21,10 +21,11 @@ the MUL_MAT_ID asks to `_bind_native` while tensors remain unbound, and calls
 `_route_native` once per MoE layer with the routing's shape and address. Otherwise (or
 with `BMOE_EVAL_CALLBACK=python`) it is `_eval`, a ctypes callback entered for every node.
 `load_info["eval_callback"]` says which. Once every expert is resident for good (the
-model fits the cache: budget ≥ all experts, no read-ahead, no routing record), the native
-callback stops calling `_route_native`: it checks each routing's ids and counts its
-distinct experts (the cache's hits, credited at `token_end`/`prefill_end`) itself, so a
-token enters Python not at all. Either way:
+model fits the cache: budget ≥ all experts, no read-ahead), the native callback stops
+calling `_route_native`: it checks each routing's ids and counts its distinct experts
+(the cache's hits, credited at `token_end`/`prefill_end`) itself, and copies a one-token
+graph's ids into rows Python reads at `token_end` for the routing record, so a token
+enters Python not at all. Either way:
 
 * `ffn_moe_topk-<l>` (a VIEW of the router's argsort, I32 [n_expert_used, n_tokens], rows
   nb[1] apart): we say yes; with the data we take the union of the routed ids, let the
@@ -69,7 +70,7 @@ import numpy as np
 
 from . import evalcb, ggml, nopopulate
 from .budget import MIB, Budget, resolve
-from .cache import Admission, ExpertCache, NoCache
+from .cache import DEFAULT_POLICY, Admission, ExpertCache, NoCache
 from .predict import Predictor, read_routers, router_input
 from .layout import ExpertTensor, Layout
 from .memory import (
@@ -149,6 +150,7 @@ class ExpertStreamer:
         self.native: evalcb.NativeCallback | None = None
         self._native_resident = False     # routings counted in C: every expert resident
         self._folded_hits = 0             # of the C side's resident_hits
+        self._rec_rows: np.ndarray | None = None   # the C side's routing rows, while resident
         self.load_info: dict[str, Any] = {}
 
     @property
@@ -157,8 +159,8 @@ class ExpertStreamer:
 
     @record_routing.setter
     def record_routing(self, on: bool) -> None:
-        # may be set from another thread (the server's planner): the engine thread leaves
-        # the native resident mode at the next token_begin/prefill_begin
+        # may be set from another thread (the server's planner): read per token; while
+        # resident the native callback writes the rows, read at token_end
         self._record_routing = bool(on)
 
     # -- Streamer protocol: loading ---------------------------------------------------
@@ -203,7 +205,7 @@ class ExpertStreamer:
         self.budget = resolve(self.values, token_cycle=cycle, all_bytes=total, extra_held=held)
         self._make_buffers()
         unit = np.array([self.layout.unit_bytes(i) for i in range(self.layout.n_layer)])
-        policy = str(self.values.get("cache-policy", "next-use") or "next-use")
+        policy = str(self.values.get("cache-policy") or DEFAULT_POLICY)
         self.cache = (NoCache(self.layout.n_layer, unit) if self.budget.bytes == 0
                       else ExpertCache(unit, self.layout.n_expert, self.budget.bytes, policy))
         self.reader = ExpertReader(str(self.path), int(self.values.get("io-threads", 4) or 1),
@@ -325,7 +327,7 @@ class ExpertStreamer:
         the cache, no read-ahead, no routing record, every tensor rebound."""
         cache = self.cache
         return (isinstance(cache, ExpertCache) and self.predictor is None
-                and not self._record_routing and not self._unbound
+                and not self._unbound
                 and self.budget.bytes >= self.layout.expert_bytes
                 and bool(cache.resident.all()) and not cache.pinned.any())
 
@@ -334,12 +336,27 @@ class ExpertStreamer:
         assert self.native is not None
         self._native_resident = self.native.resident(True, self.layout.n_layer,
                                                       self.layout.n_expert)
+        if self._native_resident:      # a routing record is written in C from now on
+            self._rec_rows = np.full((self.layout.n_layer, self.layout.n_expert_used), -1,
+                                     dtype=np.int32)
+            if not self.native.record(self._rec_rows):
+                self.native.resident(False)
+                self._native_resident = False
 
     def _leave_resident(self) -> None:
         if self._native_resident and self.native is not None:
             self._fold_resident()
             self.native.resident(False)
+            self.native.record(None)
             self._native_resident = False
+
+    def _native_routing_row(self) -> None:
+        """The layers the native callback routed this token, into ``_route_row``."""
+        rows = self._rec_rows
+        if rows is None:
+            return
+        for layer in np.flatnonzero(rows[:, 0] >= 0):
+            self._route_row.setdefault(int(layer), rows[layer].copy())
 
     def _fold_resident(self) -> None:
         """Credit the hits the native callback counted on its own to the cache and the
@@ -607,8 +624,6 @@ class ExpertStreamer:
     # -- Streamer protocol: per token and per turn ------------------------------------
 
     def prefill_begin(self) -> None:
-        if self._record_routing:
-            self._leave_resident()        # every routing has to come to Python again
         self._turn = _Counters()
         self._in_prefill = True
 
@@ -617,10 +632,10 @@ class ExpertStreamer:
         self._in_prefill = False
 
     def token_begin(self) -> None:
-        if self._record_routing:
-            self._leave_resident()
         self._token = _Counters()
         self._route_row.clear()
+        if self._rec_rows is not None:
+            self._rec_rows.fill(-1)
         self._guess.clear()
         if self.queue is not None:
             self._busy_at = self.queue.busy_s
@@ -628,6 +643,8 @@ class ExpertStreamer:
     def token_end(self) -> dict[str, Any]:
         self._fold_resident()
         c = self._token
+        if self.record_routing and self._native_resident:
+            self._native_routing_row()
         if self.record_routing and self._route_row:
             rows = self._route_row
             self.routing.append(np.array([rows[layer] for layer in sorted(rows)]))
