@@ -295,12 +295,15 @@ def _rows() -> tuple[Param, ...]:
              typical=(1500, 8192), special=(Named(0, "off"),)),
         _row("cache-policy", "Cache policy", "choice", "cache", "advanced",
              "Which cached expert gives way when the cache is full.",
-             "next-use keeps the experts expected to be routed soonest (frequent ones, "
-             "of the layers coming next); lru keeps the most recently used, as before; "
+             "reuse keeps the experts most likely to be routed again soon, a chance it "
+             "learns from the routing seen so far (how long since each was last routed, "
+             "how often it is); it reads the least on recorded routing. next-use keeps "
+             "frequent experts of the layers coming next; lru the most recently used; "
              "lfu the most frequently used.",
-             "next-use", choices=(Named("next-use", "expected next use"),
-                                  Named("lru", "least recently used"),
-                                  Named("lfu", "least frequently used"))),
+             "reuse", choices=(Named("reuse", "learned chance of reuse"),
+                               Named("next-use", "expected next use"),
+                               Named("lru", "least recently used"),
+                               Named("lfu", "least frequently used"))),
         _row("cache-floor-mb", "Cache: RAM to leave", "int", "cache", "advanced",
              "Memory an auto-sized cache leaves to the system and other programs.",
              "Raise it if the machine swaps with the model loaded; each MiB left is a "

@@ -1,0 +1,115 @@
+"""The expert cache's `reuse` policy, without I/O: its learned table against hand-computed
+values, its choices against LRU's, and the units it may never take (pinned reads, the
+layer in use)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bmoe.engine.experts.cache import DEFAULT_POLICY, POLICIES, ExpertCache
+
+
+def test_reuse_is_the_default() -> None:
+    assert DEFAULT_POLICY == "reuse" and "reuse" in POLICIES
+    assert ExpertCache(np.array([1]), n_expert=2, budget=2).policy == "reuse"
+
+
+def test_reuse_table_and_chances_by_hand() -> None:
+    # one layer, two experts; expert 0 routed at three visits in a row, expert 1 never
+    c = ExpertCache(np.array([1]), n_expert=2, budget=2, policy="reuse")
+    for _ in range(3):
+        c.admit(0, np.array([0]))
+    # visit 1: both never used (gap 63, bucket 0), expert 0 routed: (63, 0) 1 of 2.
+    # Expert 0's decayed count is then 1 (bucket rint(log2 2) = 1), then 1 + 255/256
+    # (bucket rint(log2 2.996) = 2): at visit 2 it is routed from (1, 1), at visit 3 from
+    # (1, 2); expert 1 adds an unrouted (63, 0) each time: 1 of 4.
+    assert c.hazard_hit[63, 0] == 1 and c.hazard_seen[63, 0] == 4
+    assert c.hazard_hit[1, 1] == c.hazard_seen[1, 1] == 1
+    assert c.hazard_hit[1, 2] == c.hazard_seen[1, 2] == 1
+    assert c.hazard_seen.sum() == 6 and c.hazard_hit.sum() == 3
+    assert c.count[0, 0] == pytest.approx(1 + (1 + 255 / 256) * 255 / 256)
+    assert c.bucket[0].tolist() == [2, 0]
+    # one pseudo-count at the overall rate (3 + 0.5) / (6 + 1) = 0.5 in every cell:
+    # h(63, 0) = 1.5 / 5 = 0.3, h(1, 2) = 1.5 / 2 = 0.75, unseen cells 0.5
+    chance = c.reuse_chance()
+    # expert 0: gaps 1..4 of bucket 2 -> 1 - (1 - 0.75) * 0.5^3
+    assert chance[0, 0] == pytest.approx(1 - 0.25 * 0.5 ** 3)
+    # expert 1: gap 63, whose hazard repeats past the table's end -> 1 - (1 - 0.3)^4
+    assert chance[0, 1] == pytest.approx(1 - 0.7 ** 4)
+
+
+def periodic_and_fresh(policy: str) -> ExpertCache:
+    """Expert 0 of one layer routed every third visit; between, experts never seen again."""
+    c = ExpertCache(np.array([1]), n_expert=16, budget=3, policy=policy)
+    for i in range(12):
+        c.admit(0, np.array([0 if i % 3 == 0 else i]))
+    return c
+
+
+def test_reuse_keeps_the_periodic_expert_that_lru_gives_up() -> None:
+    reuse, lru = periodic_and_fresh("reuse"), periodic_and_fresh("lru")
+    assert reuse.resident[0, [0, 10, 11]].all() and lru.resident[0, [0, 10, 11]].all()
+    chance = reuse.reuse_chance()
+    assert chance[0, 0] > 0.6 > 0.3 > max(chance[0, 10], chance[0, 11])
+    assert lru.admit(0, np.array([13])).victims == [(0, 0)]     # the least recent
+    victims = reuse.admit(0, np.array([13])).victims
+    assert len(victims) == 1 and victims[0] in [(0, 10), (0, 11)]
+    assert reuse.resident[0, 0]
+
+
+def test_reuse_keeps_every_layers_every_token_experts() -> None:
+    # two layers asked in turn; in each, expert 0 is routed every token and expert 1 once
+    c = ExpertCache(np.array([1, 1]), n_expert=4, budget=4, policy="reuse")
+    for _ in range(4):
+        c.admit(0, np.array([0]))
+        c.admit(1, np.array([0]))
+    c.admit(0, np.array([0, 1]))
+    c.admit(1, np.array([0, 1]))
+    adm = c.admit(0, np.array([0, 2]))      # 5 units for 4: one must go
+    assert len(adm.victims) == 1 and adm.victims[0] in [(0, 1), (1, 1)]   # a one-off
+    assert c.resident[1, 0] and c.resident[0, 0]
+
+
+def test_reuse_never_takes_pinned_units_or_the_layer_in_use() -> None:
+    rng = np.random.default_rng(7)
+    n_layer, n_expert, k = 4, 16, 3
+    c = ExpertCache(np.full(n_layer, 2), n_expert=n_expert, budget=2 * 20, policy="reuse")
+    for t in range(200):
+        for layer in range(n_layer):
+            if rng.random() < 0.3:             # a read ahead still in flight somewhere
+                c.pinned[:] = False
+                pin = rng.integers(0, n_layer), rng.integers(0, n_expert)
+                if c.resident[pin]:
+                    c.pinned[pin] = True
+            ids = np.unique(rng.choice(n_expert, size=k, replace=False,
+                                       p=np.arange(1, n_expert + 1) / (n_expert * 8.5)))
+            adm = c.admit(layer, ids)
+            for v in adm.victims:
+                assert not c.pinned[v], f"token {t}: pinned unit {v} evicted"
+                assert v[0] != layer or v[1] not in ids
+                assert not c.resident[v]
+            assert c.resident[layer, ids].all()
+            assert c.resident_bytes == 2 * int(c.resident.sum()) <= c.budget
+    assert c.evictions > 100
+
+
+def test_reuse_read_ahead_spares_the_layer_in_use_and_reads_in_flight() -> None:
+    c = ExpertCache(np.array([1, 1]), n_expert=4, budget=4, policy="reuse")
+    c.admit(1, np.array([2, 3]))
+    c.admit(0, np.array([0, 1]))             # layer 0 is computing
+    c.pinned[1, 2] = True                    # a read of (1,2) still in flight
+    adm = c.admit_spec(1, np.array([0, 1]), chance=0.9)
+    assert adm.victims == [(1, 3)] and adm.misses.tolist() == [0]   # room for one only
+    assert c.resident[0, [0, 1]].all() and c.resident[1, 2]
+    # the guess counts as its chance of use until layer 1 is asked
+    assert c._keep_score().reshape(2, 4)[1, 0] >= 0.9
+
+
+def test_reuse_sheds_a_prefill_overshoot_at_the_next_call() -> None:
+    c = ExpertCache(np.array([1, 1]), n_expert=8, budget=6, policy="reuse")
+    c.admit(0, np.arange(8))                 # a long prompt routes to every expert
+    assert c.resident_bytes == 8             # the layer's set is never split
+    adm = c.admit(1, np.array([0]))
+    assert len(adm.victims) == 3 and all(layer == 0 for layer, _ in adm.victims)
+    assert c.resident_bytes == 6
