@@ -62,6 +62,8 @@ _BUCKETS = 8            # log2(decayed use count + 1): 0 .. 7
 _HORIZON = 4            # the chance of use within this many visits of the unit's layer
 _COUNT_DECAY = 1.0 / 256
 _TABLE_MAX = float(1 << 24)   # table weight beyond which old evidence is halved
+# count >= edge[b - 1] <=> rint(log2(count + 1)) >= b
+_BUCKET_EDGES = 2.0 ** (np.arange(1, _BUCKETS) - 0.5) - 1.0
 
 
 @dataclass
@@ -102,8 +104,7 @@ class ExpertCache:
         self.last_visit = np.full((n_layer, n_expert), -_GAPS, dtype=np.int64)
         self.count = np.zeros((n_layer, n_expert), dtype=np.float64)
         self.bucket = np.zeros((n_layer, n_expert), dtype=np.int64)   # of `count`
-        self.hazard_hit = np.zeros((_GAPS, _BUCKETS))
-        self.hazard_seen = np.zeros((_GAPS, _BUCKETS))
+        self.hazard = np.zeros((2, _GAPS, _BUCKETS))   # [not routed, routed][gap, bucket]
         self._seen_total = 0.0
         self._within: np.ndarray | None = None    # the table's chances, once per token
         self._learned = 0                         # admits since `_within` was made
@@ -131,8 +132,9 @@ class ExpertCache:
         self.stamp[layer, ids] = self.tick
         if self.policy == "reuse":
             self._learn(layer, ids)
-        self.freq[layer] *= 1.0 - self.decay
-        self.freq[layer, ids] += self.decay
+        else:
+            self.freq[layer] *= 1.0 - self.decay
+            self.freq[layer, ids] += self.decay
         self.spec_p[layer] = 0.0
         adm = Admission(misses=misses, hits=int(hit.sum()),
                         rereads=int(self.loaded[layer, misses].sum()))
@@ -183,18 +185,25 @@ class ExpertCache:
             visits = visits[:, None]
         return np.minimum(visits + 1 - self.last_visit[rows], _GAPS - 1)
 
+    @property
+    def hazard_hit(self) -> np.ndarray:
+        """reuse: [gap, bucket] -> units seen there that were routed."""
+        return self.hazard[1]
+
+    @property
+    def hazard_seen(self) -> np.ndarray:
+        """reuse: [gap, bucket] -> units seen there."""
+        return self.hazard[0] + self.hazard[1]
+
     def _learn(self, layer: int, ids: np.ndarray) -> None:
-        """reuse: the layer's units tell the table whether their gap and bucket got routed."""
+        """reuse: the layer's units tell the table whether their gap and bucket got routed.
+        A dozen numpy calls over one layer's row (this runs at every admit)."""
         cell = self._gap(layer) * _BUCKETS + self.bucket[layer]
-        routed = np.zeros(self.n_expert)
-        routed[ids] = 1.0
-        size = _GAPS * _BUCKETS
-        self.hazard_hit += np.bincount(cell, routed, size).reshape(_GAPS, _BUCKETS)
-        self.hazard_seen += np.bincount(cell, minlength=size).reshape(_GAPS, _BUCKETS)
+        cell[ids] += _GAPS * _BUCKETS                       # the routed half of the table
+        self.hazard.ravel()[:] += np.bincount(cell, minlength=2 * _GAPS * _BUCKETS)
         self._seen_total += self.n_expert
         if self._seen_total > _TABLE_MAX:           # a long session: old evidence halves
-            self.hazard_hit *= 0.5
-            self.hazard_seen *= 0.5
+            self.hazard *= 0.5
             self._seen_total *= 0.5
         self._learned += 1
         self.visits[layer] += 1
@@ -202,8 +211,8 @@ class ExpertCache:
         count = self.count[layer]
         count *= 1.0 - _COUNT_DECAY
         count[ids] += 1.0
-        self.bucket[layer] = np.minimum(np.rint(np.log2(count + 1.0)).astype(np.int64),
-                                        _BUCKETS - 1)
+        # rint(log2(count + 1)), capped at _BUCKETS - 1
+        self.bucket[layer] = np.searchsorted(_BUCKET_EDGES, count, side="right")
 
     def _within_table(self) -> np.ndarray:
         """[gap, bucket] -> the chance of use within `_HORIZON` visits: 1 - prod(1 - h)
@@ -211,8 +220,9 @@ class ExpertCache:
         every n_layer admits (a token); the table moves slowly."""
         if self._within is None or self._learned >= self.n_layer:
             # a cell seen little leans on the rate of all cells (one pseudo-count)
-            rate = (self.hazard_hit.sum() + 0.5) / (self._seen_total + 1.0)
-            h = (self.hazard_hit + rate) / (self.hazard_seen + 1.0)
+            hit, seen = self.hazard_hit, self.hazard_seen
+            rate = (hit.sum() + 0.5) / (self._seen_total + 1.0)
+            h = (hit + rate) / (seen + 1.0)
             log_miss = np.log(np.maximum(1.0 - h, 1e-12))
             cum = np.vstack([np.zeros((1, _BUCKETS)), np.cumsum(log_miss, axis=0)])
             g = np.arange(_GAPS)
