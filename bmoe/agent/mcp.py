@@ -424,8 +424,6 @@ def _failure(cfg: ServerConfig, exc: BaseException) -> str:
     for e in _leaves(exc):
         if isinstance(e, Ended) and e.args and e.args[0]:
             return str(e.args[0])
-        if isinstance(e, trio.TooSlowError):
-            return (f"It did not start and list its tools within {MCP_START_TIMEOUT_S:.0f} s.")
         if isinstance(e, FileNotFoundError) and cfg.transport == "stdio":
             return f"Its command {cfg.command!r} was not found."
         if isinstance(e, PermissionError) and cfg.transport == "stdio":
@@ -464,10 +462,13 @@ class Server:
                 "tools": [{"name": t.qualified, "description": t.description} for t in self.tools]}
 
     def _set(self, state: str, error: str | None) -> None:
+        """A new state: waiters wake; an `mcp` event when it differs from the last."""
+        same = (state, error) == (self.state, self.error)
         self.state, self.error = state, error
         self._changed.set()
         self._changed = trio.Event()
-        self._changed_cb(self)
+        if not same:
+            self._changed_cb(self)
 
     def want(self) -> None:
         if not self.cfg.problem:
@@ -493,7 +494,7 @@ class Server:
         runs or has failed; `through_failure`: until it runs again, when its next start
         comes within that time."""
         self.want()
-        with trio.move_on_after(MCP_START_TIMEOUT_S):
+        with trio.move_on_after(MCP_START_TIMEOUT_S + 1.0):     # its spawn, then the start
             while self.state != "running" and not self.cfg.problem:
                 if self.state == "failed" and not (
                         through_failure and
@@ -545,9 +546,13 @@ class Server:
         info = types.Implementation(name="bmoe", version=__version__)
         async with self._transport() as (read, write):
             async with ClientSession(read, write, client_info=info) as session:
-                with trio.fail_after(MCP_START_TIMEOUT_S):
+                with trio.move_on_after(MCP_START_TIMEOUT_S) as start:
                     await session.initialize()
                     listed = await self._list(session)
+                if start.cancelled_caught:
+                    self.end(f"It did not start and list its tools within "
+                             f"{MCP_START_TIMEOUT_S:.0f} s.")
+                    raise Ended(self._end_reason)
                 self.tools, skipped = [], []
                 for raw in listed[:MCP_TOOLS_MAX]:
                     try:
