@@ -212,7 +212,7 @@ async def test_servers_that_never_start(monkeypatch: pytest.MonkeyPatch, mode: s
         nursery.start_soon(server.supervise)
         t0 = trio.current_time()
         await server.ready()
-        assert server.state == "failed" and said in server.error, server.error
+        assert server.state == "failed" and said in (server.error or ""), server.error
         assert trio.current_time() - t0 < 3.0 + 3.0
         with pytest.raises(mcp.McpCallError) as e:
             await server.call("add", {"a": 1, "b": 2})
