@@ -19,6 +19,7 @@ import pytest
 from bmoe.modelmaker import make_model
 from bmoe.http.errors import HTTPError
 from bmoe.server import anthropic as messages_api
+from bmoe.server import wire
 from conftest import ServerProcess, start_server
 
 NO_THINK = {"type": "disabled"}
@@ -140,7 +141,7 @@ def test_a_request_becomes_template_messages() -> None:
                         {"type": "tool_reference", "tool_name": "g"}]}]},
                 {"role": "system", "content": "later"},
                 {"role": "user", "content": "Q2"}]}
-    messages, images = messages_api.convert_messages(body)
+    messages, images = messages_api.convert_messages(wire.parse(wire.MessagesBody, body))
     assert len(images) == 0
     assert messages == [
         {"role": "system", "content": "A\n\nB"},
@@ -154,13 +155,17 @@ def test_a_request_becomes_template_messages() -> None:
         {"role": "user", "content": "Q2"}]
 
 
+def tools_of(tools: list[dict[str, Any]]) -> Any:
+    return wire.parse(wire.MessagesBody, {"messages": user("x"), "tools": tools}).tools
+
+
 def test_tools_deferred_custom_and_server() -> None:
-    tools = messages_api.convert_tools([WEATHER, {**TIME, "defer_loading": True},
-                                        {**TIME, "name": "t2", "type": "custom"}])
+    tools = messages_api.convert_tools(tools_of([WEATHER, {**TIME, "defer_loading": True},
+                                                 {**TIME, "name": "t2", "type": "custom"}]))
     assert [t["function"]["name"] for t in tools or []] == ["get_weather", "t2"]
     assert (tools or [])[0]["function"]["parameters"] == WEATHER["input_schema"]
     with pytest.raises(HTTPError):
-        messages_api.convert_tools([{"type": "bash_20250124", "name": "bash"}])
+        messages_api.convert_tools(tools_of([{"type": "bash_20250124", "name": "bash"}]))
 
 
 # -- answers ----------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def test_chat_decode_builds_the_turn() -> None:
     ({"messages": "hi"}, "`messages` must be an array"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "`stream` must be true"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": 3},
-     "`tool_choice` must be a string or an object"),
+     "`tool_choice` must be one of \"auto\", \"none\" or \"required\", or an object"),
     ({}, "`messages` is required"),
 ])
 def test_chat_wire_errors_name_the_field(body: dict[str, Any], path: str) -> None:

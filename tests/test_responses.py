@@ -18,6 +18,7 @@ import pytest
 
 from bmoe.modelmaker import make_model
 from bmoe.server import responses as responses_api
+from bmoe.server import wire
 from conftest import ServerProcess, start_server
 
 NO_THINK = {"effort": "none"}
@@ -142,7 +143,7 @@ def test_input_items_become_template_messages() -> None:
         *ONE_TURN, *OUTPUTS,
         {"type": "message", "role": "system", "content": "later"},
         {"role": "user", "content": "Q2"}]}
-    messages, images = responses_api.convert_input(body)
+    messages, images = responses_api.convert_input(wire.parse(wire.ResponsesBody, body))
     assert len(images) == 0
     assert messages == [
         {"role": "system", "content": "I\n\nD"},
@@ -160,9 +161,9 @@ def test_input_items_become_template_messages() -> None:
 
 
 def test_only_function_tools_are_described() -> None:
-    tools = responses_api.convert_tools([{"type": "web_search"}, WEATHER,
-                                         {"type": "custom", "name": "apply_patch"},
-                                         {"type": "namespace", "name": "mcp"}])
+    tools = responses_api.convert_tools(wire.parse(wire.ResponsesBody, {"input": "x", "tools": [
+        {"type": "web_search"}, WEATHER, {"type": "custom", "name": "apply_patch"},
+        {"type": "namespace", "name": "mcp"}]}).tools)
     assert tools == [{"type": "function", "function": {
         "name": "get_weather", "description": "The weather here.",
         "parameters": WEATHER["parameters"]}}]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from typing import Any
+from typing import Any, NoReturn
 
 from ..engine.chatparse import BlockAppend, BlockClose, BlockEvent, BlockOpen, ParseView
 from ..engine.errors import EngineError
@@ -43,7 +43,6 @@ from .shapes import anthropic_error, engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting,
                          opens_tool_call)
-from .validate import field, object_list, required
 
 log = logging.getLogger("bmoe.anthropic")
 
@@ -54,20 +53,9 @@ TOKENS_PER_MESSAGE = 4       # ... plus the role markup around each message
 
 
 # -- request ------------------------------------------------------------------
+# `wire.MessagesBody` has checked every field's type; what is left here is meaning.
 
-def _text_blocks(raw: Any, where: str, sep: str = "\n\n") -> str:
-    """A string, or an array of `text` blocks joined."""
-    if isinstance(raw, str):
-        return raw
-    texts = []
-    for i, block in enumerate(object_list(raw, where)):
-        if block.get("type") != "text":
-            raise invalid_request(f"`{where}[{i}].type` must be \"text\".")
-        texts.append(required(block, "text", str, where=f"{where}[{i}]"))
-    return sep.join(texts)
-
-
-def system_text(raw: Any) -> str:
+def system_text(raw: str | list[wire.TextBlock] | None) -> str:
     """The `system` field, without Claude Code's billing header (it changes on every
     request, and would keep any request from reusing the KV)."""
     if raw is None:
@@ -76,84 +64,72 @@ def system_text(raw: Any) -> str:
         if raw.startswith(BILLING_HEADER):
             raw = raw.split("\n", 1)[1] if "\n" in raw else ""
         return raw
-    blocks = [b for b in object_list(raw, "system")
-              if not (isinstance(b.get("text"), str) and b["text"].startswith(BILLING_HEADER))]
-    return _text_blocks(blocks, "system")
+    return "\n\n".join(b.text for b in raw if not b.text.startswith(BILLING_HEADER))
 
 
-def _image(block: dict[str, Any], where: str, images: ImageSet, message: str) -> str:
-    source = field(block, "source", dict, where=where)
-    if source is None:
-        raise invalid_request(f"`{where}.source` is required.")
-    if source.get("type") != "base64":
+def _refuse_document(where: str) -> NoReturn:
+    raise invalid_request(f"`{where}`: documents are not supported; send text.")
+
+
+def _image(block: wire.ImageBlock, where: str, images: ImageSet, message: str) -> str:
+    source = block.source
+    if source.type != "base64":
         raise invalid_request(f"`{where}.source.type` must be \"base64\": the server does not "
                               "fetch URLs or files.")
-    media = field(source, "media_type", str, "", where=f"{where}.source")
-    data = field(source, "data", str, "", where=f"{where}.source")
-    return image_part(images, f"data:{media};base64,{data}", f"{where}.source", message)
+    return image_part(images, f"data:{source.media_type};base64,{source.data}",
+                      f"{where}.source", message)
 
 
-def _tool_result_text(block: dict[str, Any], where: str, images: ImageSet,
+def _tool_result_text(block: wire.ToolResultBlock, where: str, images: ImageSet,
                       message: str) -> str:
-    content = block.get("content")
-    if content is None or isinstance(content, str):
-        return content or ""
+    if block.content is None or isinstance(block.content, str):
+        return block.content or ""
     parts = []
-    for i, part in enumerate(object_list(content, f"{where}.content")):
-        kind, at = part.get("type"), f"{where}.content[{i}]"
-        if kind == "text":
-            parts.append(required(part, "text", str, where=at))
-        elif kind == "tool_reference":
-            parts.append("Tool loaded: " + required(part, "tool_name", str, where=at))
-        elif kind == "image":
-            parts.append(_image(part, at, images, message))
-        elif kind == "document":
-            raise invalid_request(f"`{at}`: documents are not supported; send text.")
-        else:
-            raise invalid_request(f"`{at}.type` {kind!r} is not a block a tool result may carry.")
+    for i, part in enumerate(block.content):
+        at = f"{where}.content[{i}]"
+        match part:
+            case wire.TextBlock(text=text):
+                parts.append(text)
+            case wire.ToolReference(tool_name=name):
+                parts.append("Tool loaded: " + name)
+            case wire.ImageBlock():
+                parts.append(_image(part, at, images, message))
+            case wire.DocumentBlock():
+                _refuse_document(at)
     return "\n".join(parts)
 
 
-def _user_message(blocks: list[dict[str, Any]], where: str,
-                  images: ImageSet) -> list[dict[str, Any]]:
+def _user_message(blocks: list[Any], where: str, images: ImageSet) -> list[dict[str, Any]]:
     texts: list[str] = []
     results: list[dict[str, Any]] = []
     for i, block in enumerate(blocks):
-        kind, at = block.get("type"), f"{where}[{i}]"
-        if kind == "text":
-            texts.append(required(block, "text", str, where=at))
-        elif kind == "image":
-            texts.append(_image(block, at, images, where))
-        elif kind == "tool_result":
-            results.append({"role": "tool",
-                            "tool_call_id": required(block, "tool_use_id", str, where=at),
-                            "content": _tool_result_text(block, at, images, where)})
-        elif kind == "document":
-            raise invalid_request(f"`{at}`: documents are not supported; send text.")
-        else:
-            raise invalid_request(f"`{at}.type` {kind!r} is not a block a user message may carry.")
+        at = f"{where}[{i}]"
+        match block:
+            case wire.TextBlock(text=text):
+                texts.append(text)
+            case wire.ImageBlock():
+                texts.append(_image(block, at, images, where))
+            case wire.ToolResultBlock():
+                results.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                "content": _tool_result_text(block, at, images, where)})
+            case wire.DocumentBlock():
+                _refuse_document(at)
     if texts or not results:
         results.append({"role": "user", "content": "\n\n".join(texts)})
     return results
 
 
-def _assistant_message(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
+def _assistant_message(blocks: list[Any]) -> dict[str, Any]:
     texts, thinking, calls = [], [], []
-    for i, block in enumerate(blocks):
-        kind, at = block.get("type"), f"{where}[{i}]"
-        if kind == "text":
-            texts.append(required(block, "text", str, where=at))
-        elif kind == "thinking":
-            thinking.append(required(block, "thinking", str, where=at))
-        elif kind == "redacted_thinking":
-            continue
-        elif kind == "tool_use":
-            calls.append({"id": required(block, "id", str, where=at), "type": "function",
-                          "function": {"name": required(block, "name", str, where=at),
-                                       "arguments": field(block, "input", dict, {}, where=at)}})
-        else:
-            raise invalid_request(f"`{at}.type` {kind!r} is not a block an assistant message "
-                                  "may carry.")
+    for block in blocks:
+        match block:
+            case wire.TextBlock(text=text):
+                texts.append(text)
+            case wire.ThinkingBlock(thinking=text):
+                thinking.append(text)
+            case wire.ToolUseBlock():
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": block.input or {}}})
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if thinking:
         msg["reasoning_content"] = "".join(thinking)
@@ -162,34 +138,22 @@ def _assistant_message(blocks: list[dict[str, Any]], where: str) -> dict[str, An
     return msg
 
 
-def convert_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ImageSet]:
+def convert_messages(body: wire.MessagesBody) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages (one system message first) and the images they carry."""
-    raw = object_list(body.get("messages"), "messages")
-    if not raw:
-        raise invalid_request("`messages` must hold at least one message.")
     images = ImageSet()
     out: list[dict[str, Any]] = []
-    system = system_text(body.get("system"))
+    system = system_text(body.system)
     if system:
         out.append({"role": "system", "content": system})
-    for i, msg in enumerate(raw):
-        where = f"messages[{i}]"
-        role = field(msg, "role", str, where=where)
-        content = msg.get("content")
-        if role not in ("user", "assistant", "system"):
-            raise invalid_request(f"`{where}.role` must be \"user\", \"assistant\" or \"system\".")
-        if not isinstance(content, (str, list)):
-            raise invalid_request(f"`{where}.content` must be a string or an array of blocks.")
-        if role == "system":
-            out.append({"role": "system", "content": _text_blocks(content, f"{where}.content")})
-        elif isinstance(content, str):
-            out.append({"role": role, "content": content})
-        elif role == "user":
-            out += _user_message(object_list(content, f"{where}.content"), f"{where}.content",
-                                 images)
+    for i, msg in enumerate(body.messages):
+        if isinstance(msg.content, str):
+            out.append({"role": msg.role, "content": msg.content})
+        elif isinstance(msg, wire.SystemMessage):
+            out.append({"role": "system", "content": "\n\n".join(b.text for b in msg.content)})
+        elif isinstance(msg, wire.UserMessage):
+            out += _user_message(msg.content, f"messages[{i}].content", images)
         else:
-            out.append(_assistant_message(object_list(content, f"{where}.content"),
-                                          f"{where}.content"))
+            out.append(_assistant_message(msg.content))
     out = chatreq.system_first(out)
     if out[-1]["role"] not in ("user", "tool"):
         raise invalid_request("The last message must be from the user or carry tool results: "
@@ -197,79 +161,55 @@ def convert_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ImageS
     return out, images
 
 
-def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
+def convert_tools(raw: list[wire.ClientTool | wire.ServerTool] | None) -> list[dict[str, Any]] | None:
     """Client tools as the template reads them; `defer_loading` ones are not described."""
-    if raw is None:
-        return None
     out = []
-    for i, tool in enumerate(object_list(raw, "tools")):
-        kind = tool.get("type")
-        if kind not in (None, "custom"):
-            raise invalid_request(f"`tools[{i}]` is a server tool ({kind!r}); nothing here runs "
-                                  "it. Send client tools only.")
-        described = chatreq.function_tool(tool, f"tools[{i}]", "input_schema")
-        if not field(tool, "defer_loading", bool, False, where=f"tools[{i}]"):
-            out.append(described)
+    for i, tool in enumerate(raw or []):
+        if isinstance(tool, wire.ServerTool):
+            raise invalid_request(f"`tools[{i}]` is a server tool ({tool.type!r}); nothing here "
+                                  "runs it. Send client tools only.")
+        if not tool.defer_loading:
+            out.append(chatreq.function_tool(tool.name, tool.description, tool.input_schema))
     return out or None
 
 
-def tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+def tool_choice(raw: wire.MessagesChoice | None,
+                tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
     """("auto"|"none"|"required", the named tool or None)."""
     if raw is None:
         return "auto", None
-    if not isinstance(raw, dict):
-        raise invalid_request("`tool_choice` must be an object such as {\"type\": \"auto\"}.")
-    kind = raw.get("type")
-    if kind in ("auto", "none"):
-        return kind, None
-    if kind not in ("any", "tool"):
-        raise invalid_request("`tool_choice.type` must be \"auto\", \"any\", \"tool\" or \"none\".")
+    if raw.type in ("auto", "none"):
+        return raw.type, None
     if not tools:
-        raise invalid_request(f"`tool_choice` {kind!r} needs `tools`.")
-    if kind == "any":
+        raise invalid_request(f"`tool_choice` {raw.type!r} needs `tools`.")
+    if raw.type == "any":
         return "required", None
-    name = field(raw, "name", str, where="tool_choice")
-    if name not in {t["function"]["name"] for t in tools}:
-        raise invalid_request(f"`tool_choice.name` {name!r} is not among `tools`.")
-    return "required", name
+    if raw.name is None:
+        raise invalid_request("`tool_choice.name` is required: the tool to call.")
+    if raw.name not in {t["function"]["name"] for t in tools}:
+        raise invalid_request(f"`tool_choice.name` {raw.name!r} is not among `tools`.")
+    return "required", raw.name
 
 
-def _think(config: Any, raw: Any) -> bool:
-    values, user_keys = config.values, config.user_keys
-    if raw is None:
-        return chatreq.thinking(values, user_keys)
-    if not isinstance(raw, dict) or raw.get("type") not in ("enabled", "adaptive", "disabled"):
-        raise invalid_request("`thinking.type` must be \"enabled\", \"adaptive\" or \"disabled\".")
-    return chatreq.thinking(values, user_keys, think=raw["type"] != "disabled")
-
-
-def _output_schema(raw: Any) -> dict[str, Any] | None:
-    if raw is None:
+def _output_schema(raw: wire.OutputConfig | None) -> dict[str, Any] | None:
+    if raw is None or raw.format is None:
         return None
-    if not isinstance(raw, dict):
-        raise invalid_request("`output_config` must be an object.")
-    fmt = field(raw, "format", dict, where="output_config")
-    if fmt is None:
-        return None
-    if fmt.get("type") != "json_schema":
-        raise invalid_request("`output_config.format.type` must be \"json_schema\".")
-    return chatreq.schema_object(fmt.get("schema"), "output_config.format.schema") or \
-        {"type": "object"}
+    return raw.format.schema_ or {"type": "object"}
 
 
 def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ImageSet]:
     """The turn a body asks for and the images it carries: every field checked, no model
     needed (count_tokens reads the same body)."""
     chatreq.refuse_lone_surrogates(body)
-    wire.parse(wire.MessagesBody, body)
-    messages, images = convert_messages(body)
-    tools = convert_tools(body.get("tools"))
-    choice, named = tool_choice(body.get("tool_choice"), tools)
-    schema = _output_schema(body.get("output_config"))
-    budget = chatreq.budget(body.get("max_tokens"), "max_tokens", config.values)
+    parsed = wire.parse(wire.MessagesBody, body)
+    messages, images = convert_messages(parsed)
+    tools = convert_tools(parsed.tools)
+    choice, named = tool_choice(parsed.tool_choice, tools)
+    think = None if parsed.thinking is None else parsed.thinking.type != "disabled"
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
-                      max_tokens=budget, think=_think(config, body.get("thinking")),
-                      schema=schema, images=images)
+                      max_tokens=chatreq.budget(parsed.max_tokens, "max_tokens", config.values),
+                      think=chatreq.thinking(config.values, config.user_keys, think=think),
+                      schema=_output_schema(parsed.output_config), images=images)
     return chatreq.checked(req, "(`tool_choice` \"any\" or \"tool\")"), images
 
 

@@ -1,6 +1,6 @@
 """Reading the parts of a request that every protocol shares.
 
-Thinking precedence, the token budget and output schemas are the
+Thinking precedence, the token budget, output schemas and tools are the
 same on `/v1/chat/completions`, `/v1/messages` and `/v1/responses`; the adapters
 call these with the values their protocol carries.
 """
@@ -9,27 +9,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic_core import PydanticCustomError
+
 from ..engine import params
 from ..engine.turn import TurnRequest
 from ..http.errors import invalid_request
+from . import wire
 
 N_PREDICT_MAX = 2**20
-MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in one schema; the grammar builder recurses
+MAX_SCHEMA_DEPTH = wire.MAX_SCHEMA_DEPTH     # the agent's MCP tools are bounded the same way
+nesting_depth = wire.nesting_depth
 
 
 def thinking(config_values: dict[str, Any], user_keys: list[str], *,
-             think: Any = None, enable_thinking: Any = None, effort: Any = None) -> bool:
+             think: bool | None = None, enable_thinking: bool | None = None,
+             effort: str | None = None) -> bool:
     """think (bool) > chat_template_kwargs.enable_thinking > reasoning effort >
-    the person's `think` setting (if they set it) > on."""
-    for value, name in ((think, "think"), (enable_thinking, "chat_template_kwargs.enable_thinking")):
-        if value is None:
-            continue
-        if not isinstance(value, bool):
-            raise invalid_request(f"`{name}` must be true or false.")
-        return value
+    the person's `think` setting (if they set it) > on. (The wire models have checked
+    the values' types.)"""
+    for value in (think, enable_thinking):
+        if value is not None:
+            return value
     if effort is not None:
-        if not isinstance(effort, str):
-            raise invalid_request("`reasoning_effort` must be a string such as \"none\" or \"low\".")
         return effort != "none"
     if "think" in user_keys:
         return bool(config_values.get("think", True))
@@ -37,14 +38,13 @@ def thinking(config_values: dict[str, Any], user_keys: list[str], *,
 
 
 def budget(value: Any, name: str, config_values: dict[str, Any]) -> int:
-    """A max-tokens field: absent/null/0 → the n-predict setting; clamped to its bound."""
-    if value is not None:
-        if isinstance(value, bool) or not (isinstance(value, int) or
-                                           (isinstance(value, float) and value.is_integer())):
-            raise invalid_request(f"`{name}` must be a non-negative integer.")
-        value = int(value)
-        if value < 0:
-            raise invalid_request(f"`{name}` must be a non-negative integer.")
+    """A max-tokens field: absent/null/0 → the n-predict setting; clamped to its bound.
+    A wire model's `TokenBudget` has checked it already; a value from elsewhere is
+    checked the same way here."""
+    try:
+        value = wire.token_budget(value)
+    except PydanticCustomError as e:
+        raise invalid_request(f"`{name}` {e.message()}.") from None
     if not value:
         value = int(config_values.get("n-predict") or 0)
     try:
@@ -52,31 +52,6 @@ def budget(value: Any, name: str, config_values: dict[str, Any]) -> int:
     except KeyError:
         upper = N_PREDICT_MAX
     return min(int(value), int(upper))
-
-
-def schema_object(value: Any, name: str) -> dict[str, Any] | None:
-    """A schema: an object (empty → {"type": "object"}), null → None; boolean refused."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise invalid_request(f"`{name}` must be a JSON object schema; boolean schemas are not supported.")
-    if not isinstance(value, dict):
-        raise invalid_request(f"`{name}` must be a JSON object schema.")
-    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
-        raise invalid_request(f"`{name}` nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep.")
-    return value or {"type": "object"}
-
-
-def nesting_depth(value: Any) -> int:
-    """How deep objects and arrays nest in ``value`` (a loop: any depth is measured)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
-            deepest = max(deepest, depth)
-            children = node.values() if isinstance(node, dict) else node
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 def refuse_lone_surrogates(body: Any) -> None:
@@ -97,48 +72,24 @@ def refuse_lone_surrogates(body: Any) -> None:
             stack += node
 
 
-def response_format_schema(response_format: Any, top_level: Any) -> dict[str, Any] | None:
+def response_format_schema(response_format: wire.ResponseFormat | None,
+                           top_level: dict[str, Any] | None) -> dict[str, Any] | None:
     """The output schema of a chat request (`response_format` and top-level `json_schema`)."""
-    top = schema_object(top_level, "json_schema")
-    if response_format is None:
-        return top
-    if not isinstance(response_format, dict):
-        raise invalid_request("`response_format` must be an object.")
-    kind = response_format.get("type")
-    if kind is None or kind == "text":
-        return top
-    if kind == "json_object":
-        inner = schema_object(response_format.get("schema"), "response_format.schema")
-        return inner or top or {"type": "object"}
-    if kind == "json_schema":
-        wrapper = response_format.get("json_schema")
-        if wrapper is None:
-            return {"type": "object"}
-        if not isinstance(wrapper, dict):
-            raise invalid_request("`response_format.json_schema` must be an object.")
-        for key, types in (("name", str), ("description", str), ("strict", bool)):
-            v = wrapper.get(key)
-            if v is not None and not isinstance(v, types):
-                raise invalid_request(f"`response_format.json_schema.{key}` has the wrong type.")
-        return schema_object(wrapper.get("schema"), "response_format.json_schema.schema") or {"type": "object"}
-    raise invalid_request(f"`response_format.type` {kind!r} is not supported: use "
-                          "\"text\", \"json_object\" or \"json_schema\".")
+    if response_format is None or response_format.type in (None, "text"):
+        return top_level
+    if response_format.type == "json_object":
+        return response_format.schema_ or top_level or {"type": "object"}
+    wrapper = response_format.json_schema
+    return (wrapper.schema_ if wrapper is not None else None) or {"type": "object"}
 
 
-def function_tool(tool: dict[str, Any], where: str, schema_key: str) -> dict[str, Any]:
+def function_tool(name: str, description: str | None,
+                  parameters: dict[str, Any] | None) -> dict[str, Any]:
     """One tool as the template reads it: `{"type": "function", "function": {name,
-    description, parameters}}` from an object with `name`, `description` and a schema
-    under `schema_key` (each protocol names it its own way)."""
-    name = tool.get("name")
-    if not isinstance(name, str) or not name:
-        raise invalid_request(f"`{where}.name` is required: a string.")
-    description = tool.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid_request(f"`{where}.description` must be a string.")
-    params = schema_object(tool.get(schema_key), f"{where}.{schema_key}")
+    description, parameters}}` (each protocol names these fields its own way)."""
     return {"type": "function", "function": {
         "name": name, "description": description or "",
-        "parameters": params or {"type": "object", "properties": {}}}}
+        "parameters": parameters or {"type": "object", "properties": {}}}}
 
 
 def checked(req: TurnRequest, required_hint: str = "") -> TurnRequest:

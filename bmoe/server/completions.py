@@ -34,7 +34,7 @@ from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
-from . import chatreq, choices, turnservice, wire
+from . import choices, turnservice, wire
 from .choices import Tally
 from .shapes import engine_http_error
 from .state import ServerState
@@ -54,7 +54,7 @@ class CompletionBody(wire.Wire):
     stream: StrictBool | None = None
     stop: list[StrictStr] | StrictStr | None = None
     grammar: StrictStr | None = None
-    json_schema: Any = None
+    json_schema: wire.Schema = None
     ignore_eos: StrictBool | None = None
     cache_prompt: StrictBool | None = None
     return_tokens: StrictBool | None = None
@@ -240,7 +240,7 @@ def decode_completion(body: dict[str, Any], budget_field: str = "n_predict",
     if n_predict == 0:
         raise invalid_request(f"`{budget_field}` 0 is not supported: ask for at least one "
                               "token, or -1 for no limit but the context.")
-    schema = chatreq.response_format_schema(None, body.get("json_schema"))
+    schema = parsed.json_schema
     if parsed.grammar and schema is not None:
         raise invalid_request("`grammar` and `json_schema` cannot be combined.")
     return TurnRequest(messages=[], max_tokens=max(0, n_predict), think=False, schema=schema,

@@ -21,32 +21,24 @@ from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Ping, ReasoningDelta, Reset, Shape, Started,
                          TextDelta, ToolArgsDelta, ToolCallStart, TurnEvent, Waiting)
-from .validate import field, object_list
 
 
 
 # -- request ------------------------------------------------------------------
+# `wire.ChatBody` has checked every field's type; what is left here is meaning.
 
 def _text_of_parts(parts: list[Any], where: str, images: ImageSet | None,
                    message: str) -> str:
     out = []
     for i, part in enumerate(parts):
-        if not isinstance(part, dict):
-            raise invalid_request(f"`{where}[{i}]` must be an object.")
-        kind = part.get("type")
-        if kind == "text":
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise invalid_request(f"`{where}[{i}].text` must be a string.")
-            out.append(text)
-        elif kind == "image_url":
-            img = part.get("image_url")
-            url = img.get("url") if isinstance(img, dict) else img
-            out.append(image_part(images, url, f"{where}[{i}].image_url.url", message))
-        elif kind in ("input_audio", "file", "audio"):
-            raise invalid_request(f"`{where}[{i}]`: {kind} parts are not supported; send text.")
-        else:
-            raise invalid_request(f"`{where}[{i}].type` {kind!r} is not a known content part.")
+        match part:
+            case wire.ChatText(text=text):
+                out.append(text)
+            case wire.ChatImage(image_url=wire.ImageURL(url=url) | str(url)):
+                out.append(image_part(images, url, f"{where}[{i}].image_url.url", message))
+            case wire.ChatFilePart(type=kind):
+                raise invalid_request(f"`{where}[{i}]`: {kind} parts are not supported; "
+                                      "send text.")
     return "".join(out)
 
 
@@ -88,66 +80,46 @@ def convert_messages(messages: list[wire.ChatMessage]) -> tuple[list[dict[str, A
     return out, images
 
 
-def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None:
-        return None
-    tools = object_list(raw, "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise invalid_request(f"`tools[{i}].type` must be \"function\": only function tools "
-                                  "are supported.")
-        fn = field(tool, "function", dict, where=f"tools[{i}]")
-        if fn is None:
-            raise invalid_request(f"`tools[{i}].function` is required.")
-        out.append(chatreq.function_tool(fn, f"tools[{i}].function", "parameters"))
+def convert_tools(raw: list[wire.ChatTool] | None) -> list[dict[str, Any]] | None:
+    out = [chatreq.function_tool(t.function.name, t.function.description, t.function.parameters)
+           for t in raw or []]
     return out or None
 
 
-def tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+def tool_choice(raw: str | wire.ChatNamedChoice | None,
+                tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
     """("auto"|"none"|"required", the named function or None)."""
     if raw is None:
         return "auto", None
     if isinstance(raw, str):
-        if raw not in ("auto", "none", "required"):
-            raise invalid_request("`tool_choice` must be \"auto\", \"none\", \"required\" or a "
-                                  "named function.")
         if raw == "required" and not tools:
             raise invalid_request("`tool_choice` \"required\" needs `tools`.")
         return raw, None
-    if isinstance(raw, dict):
-        fn = raw.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if raw.get("type") != "function" or not isinstance(name, str):
-            raise invalid_request("`tool_choice` as an object must be "
-                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}.")
-        if not tools or name not in {t["function"]["name"] for t in tools}:
-            raise invalid_request(f"`tool_choice` names {name!r}, which is not among `tools`.")
-        return "required", name
-    raise invalid_request("`tool_choice` must be a string or an object.")
+    name = raw.function.name
+    if not tools or name not in {t["function"]["name"] for t in tools}:
+        raise invalid_request(f"`tool_choice` names {name!r}, which is not among `tools`.")
+    return "required", name
 
 
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a chat body asks for (400 invalid_request naming the field otherwise)."""
     values = config.values
-    messages, images = convert_messages(wire.parse(wire.ChatBody, body).messages)
-    tools = convert_tools(body.get("tools"))
-    choice, named = tool_choice(body.get("tool_choice"), tools)
-    kwargs = field(body, "chat_template_kwargs", dict, {})
-    think = chatreq.thinking(values, config.user_keys, think=body.get("think"),
-                             enable_thinking=kwargs.get("enable_thinking"),
-                             effort=body.get("reasoning_effort"))
-    budget = chatreq.budget(body.get("max_completion_tokens", body.get("max_tokens")),
-                            "max_tokens", values)
-    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
-        chatreq.budget(body.get("max_tokens"), "max_tokens", values)
-    schema = chatreq.response_format_schema(body.get("response_format"), body.get("json_schema"))
+    parsed = wire.parse(wire.ChatBody, body)
+    messages, images = convert_messages(parsed.messages)
+    tools = convert_tools(parsed.tools)
+    choice, named = tool_choice(parsed.tool_choice, tools)
+    kwargs = parsed.chat_template_kwargs
+    think = chatreq.thinking(values, config.user_keys, think=parsed.think,
+                             enable_thinking=kwargs.enable_thinking if kwargs else None,
+                             effort=parsed.reasoning_effort)
+    limit = parsed.max_completion_tokens
+    budget = chatreq.budget(parsed.max_tokens if limit is None else limit, "max_tokens", values)
+    schema = chatreq.response_format_schema(parsed.response_format, parsed.json_schema)
     choices.read_n(body)                  # n choices: `handle` runs them (choices.py)
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=budget, think=think, schema=schema,
-                      grammar=field(body, "grammar", str) or None,
-                      parallel_calls=field(body, "parallel_tool_calls", bool, False),
-                      images=images)
+                      grammar=parsed.grammar or None,
+                      parallel_calls=bool(parsed.parallel_tool_calls), images=images)
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 
@@ -280,8 +252,7 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     chatreq.refuse_lone_surrogates(body)
     req = decode(body, state.config)
     await read_images(req.images)
-    opts = body.get("stream_options") or {}
-    include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked
     n = choices.read_n(body)
     if n > 1:
         return await serve_choices(state, req, n, include_usage, bool(body.get("stream")))

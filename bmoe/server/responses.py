@@ -44,46 +44,43 @@ from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import (Failed, Finished, Opened, Ping, Shape, Started, Stopped, TurnEvent,
                          Waiting)
-from .validate import field, object_list, required
 
-TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
-FILE_PARTS = ("input_file", "input_audio", "file", "audio")
 STATEFUL = "This server is stateless: send the whole conversation in `input` (as with " \
            "`store: false`)."
 
 
 # -- request ------------------------------------------------------------------
+# `wire.ResponsesBody` has checked every field's type; what is left here is meaning.
 
-def _parts_text(content: Any, where: str, role: str, images: ImageSet | None,
+def _parts_text(content: str | list[Any], where: str, role: str, images: ImageSet | None,
                 sep: str = "\n\n", message: str = "") -> str:
     """A message's content: a string, or text (and, from the user, image) parts."""
     if isinstance(content, str):
         return content
     texts = []
-    for i, part in enumerate(object_list(content, where)):
-        kind, at = part.get("type"), f"{where}[{i}]"
-        if kind in TEXT_PARTS:
-            texts.append(required(part, TEXT_PARTS[kind], str, where=at))
-        elif kind == "input_image" and role in ("user", "tool"):
-            if part.get("file_id") is not None:
-                raise invalid_request(f"`{at}.file_id`: files are not stored here; send the "
-                                      "image inline as a data URL in `image_url`.")
-            texts.append(image_part(images, part.get("image_url"), f"{at}.image_url",
-                                    message or where))
-        elif kind in FILE_PARTS:
-            raise invalid_request(f"`{at}`: {kind} parts are not supported; send text.")
-        else:
-            raise invalid_request(f"`{at}.type` {kind!r} is not a content part a {role} "
-                                  "message may carry here.")
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        match part:
+            case wire.InputText(text=text) | wire.Refusal(refusal=text):
+                texts.append(text)
+            case wire.InputImage() if role in ("user", "tool"):
+                if part.file_id is not None:
+                    raise invalid_request(f"`{at}.file_id`: files are not stored here; send "
+                                          "the image inline as a data URL in `image_url`.")
+                texts.append(image_part(images, part.image_url, f"{at}.image_url",
+                                        message or where))
+            case wire.InputImage():
+                raise invalid_request(f"`{at}`: only a user message or a function_call_output "
+                                      "carries images.")
+            case wire.InputFile(type=kind):
+                raise invalid_request(f"`{at}`: {kind} parts are not supported; send text.")
     return sep.join(texts)
 
 
-def _arguments(raw: Any, where: str) -> Any:
+def _arguments(raw: str | None) -> Any:
     """A call's arguments for the template: the object they encode, or the text as sent."""
     if raw is None:
         return {}
-    if not isinstance(raw, str):
-        raise invalid_request(f"`{where}.arguments` must be a string.")
     try:
         return json.loads(raw) if raw.strip() else {}
     except ValueError:
@@ -108,40 +105,25 @@ class _Input:
         self._turn = None
         self.messages.append(msg)
 
-    def add(self, item: dict[str, Any], where: str) -> None:
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            self._message(item, where)
-        elif kind == "function_call":
-            turn = self._assistant(False)
-            call = {"id": required(item, "call_id", str, where=where), "type": "function",
-                    "function": {"name": required(item, "name", str, where=where),
-                                 "arguments": _arguments(item.get("arguments"), where)}}
-            turn.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(output, (str, list)):
-                raise invalid_request(f"`{where}.output` must be a string or an array of parts.")
-            self._other({"role": "tool", "tool_call_id": required(item, "call_id", str,
-                                                                   where=where),
-                         "content": _parts_text(output, f"{where}.output", "tool", self.images,
-                                                sep="\n")})
-        elif kind == "reasoning":
-            self._reasoning(item, where)
-        elif kind == "item_reference":
-            raise invalid_request(f"`{where}` is an item_reference. " + STATEFUL)
-        else:
-            raise invalid_request(f"`{where}.type` {kind!r} is not an input item this server "
-                                  "reads.")
+    def add(self, item: Any, where: str) -> None:
+        match item:
+            case wire.MessageItem():
+                self._message(item, where)
+            case wire.FunctionCallItem():
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": _arguments(item.arguments)}}
+                self._assistant(False).setdefault("tool_calls", []).append(call)
+            case wire.FunctionCallOutputItem():
+                self._other({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _parts_text(item.output, f"{where}.output", "tool",
+                                                    self.images, sep="\n")})
+            case wire.ReasoningItem():
+                self._reasoning(item)
+            case wire.ItemReference():
+                raise invalid_request(f"`{where}` is an item_reference. " + STATEFUL)
 
-    def _message(self, item: dict[str, Any], where: str) -> None:
-        role = field(item, "role", str, where=where)
-        if role not in ("user", "system", "developer", "assistant"):
-            raise invalid_request(f"`{where}.role` must be \"user\", \"system\", \"developer\" "
-                                  "or \"assistant\".")
-        content = item.get("content")
-        if not isinstance(content, (str, list)):
-            raise invalid_request(f"`{where}.content` must be a string or an array of parts.")
+    def _message(self, item: wire.MessageItem, where: str) -> None:
+        role, content = item.role, item.content
         if role == "assistant":
             turn = self._assistant(bool(self._turn and self._turn.get("tool_calls")))
             turn["content"] += _parts_text(content, f"{where}.content", role, None, sep="")
@@ -150,31 +132,25 @@ class _Input:
                            self.images if role == "user" else None, message=where)
         self._other({"role": "user" if role == "user" else "system", "content": text})
 
-    def _reasoning(self, item: dict[str, Any], where: str) -> None:
-        texts = []
-        for i, part in enumerate(object_list(item.get("content") or [], f"{where}.content")):
-            if part.get("type") == "reasoning_text":
-                texts.append(required(part, "text", str, where=f"{where}.content[{i}]"))
+    def _reasoning(self, item: wire.ReasoningItem) -> None:
+        texts = [p.text for p in item.content or [] if isinstance(p, wire.ReasoningText)]
         turn = self._turn
         turn = self._assistant(bool(turn and (turn["content"] or turn.get("tool_calls"))))
         if texts:
             turn["reasoning_content"] = turn.get("reasoning_content", "") + "".join(texts)
 
 
-def convert_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ImageSet]:
+def convert_input(body: wire.ResponsesBody) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages (one system message first) and the images they carry."""
     conv = _Input()
-    instructions = field(body, "instructions", str, "")
-    if instructions:
-        conv.messages.append({"role": "system", "content": instructions})
-    raw = body.get("input")
-    if isinstance(raw, str):
-        conv.messages.append({"role": "user", "content": raw})
+    if body.instructions:
+        conv.messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        conv.messages.append({"role": "user", "content": body.input})
+    elif not body.input:
+        raise invalid_request("`input` must hold at least one item.")
     else:
-        items = object_list(raw, "input")
-        if not items:
-            raise invalid_request("`input` must hold at least one item.")
-        for i, item in enumerate(items):
+        for i, item in enumerate(body.input):
             conv.add(item, f"input[{i}]")
     messages = chatreq.system_first(conv.messages)
     if not messages or messages[-1]["role"] not in ("user", "tool"):
@@ -184,59 +160,42 @@ def convert_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ImageSet]
     return messages, conv.images
 
 
-def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
+def convert_tools(raw: list[Any] | None) -> list[dict[str, Any]] | None:
     """Function tools as the template reads them; every other tool type is dropped."""
-    if raw is None:
-        return None
-    out = []
-    for i, tool in enumerate(object_list(raw, "tools")):
-        if tool.get("type") != "function":
-            continue
-        out.append(chatreq.function_tool(tool, f"tools[{i}]", "parameters"))
+    out = [chatreq.function_tool(t.name, t.description, t.parameters)
+           for t in raw or [] if isinstance(t, wire.FunctionTool)]
     return out or None
 
 
-def tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+def tool_choice(raw: str | wire.ResponsesNamedChoice | None,
+                tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
     """("auto"|"none"|"required", the named function or None)."""
     if raw is None:
         return "auto", None
-    if raw in ("auto", "none", "required"):
+    if isinstance(raw, str):
         if raw == "required" and not tools:
             raise invalid_request("`tool_choice` \"required\" needs function `tools`.")
         return raw, None
-    if isinstance(raw, dict) and raw.get("type") == "function":
-        name = field(raw, "name", str, where="tool_choice")
-        if not tools or name not in {t["function"]["name"] for t in tools}:
-            raise invalid_request(f"`tool_choice` names {name!r}, which is not among the "
-                                  "function `tools`.")
-        return "required", name
-    raise invalid_request("`tool_choice` must be \"auto\", \"none\", \"required\" or "
-                          "{\"type\": \"function\", \"name\": ...}.")
+    if not tools or raw.name not in {t["function"]["name"] for t in tools}:
+        raise invalid_request(f"`tool_choice` names {raw.name!r}, which is not among the "
+                              "function `tools`.")
+    return "required", raw.name
 
 
-def _text_schema(raw: Any) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise invalid_request("`text` must be an object.")
-    fmt = field(raw, "format", dict, where="text")
-    kind = fmt.get("type") if fmt else None
-    if kind is None or kind == "text":
+def _text_schema(raw: wire.TextConfig | None) -> dict[str, Any] | None:
+    kind = raw.format.type if raw is not None and raw.format is not None else None
+    if kind is None or kind == "text" or raw is None or raw.format is None:
         return None
     if kind == "json_object":
         return {"type": "object"}
-    if kind == "json_schema":
-        return chatreq.schema_object(fmt.get("schema"), "text.format.schema") or \
-            {"type": "object"}
-    raise invalid_request(f"`text.format.type` {kind!r} is not supported: use \"text\", "
-                          "\"json_object\" or \"json_schema\".")
+    return raw.format.schema_ or {"type": "object"}
 
 
-def refuse_state(body: dict[str, Any]) -> None:
+def refuse_state(body: wire.ResponsesBody) -> None:
     for key in ("previous_response_id", "conversation"):
-        if body.get(key) is not None:
+        if getattr(body, key) is not None:
             raise invalid_request(f"`{key}` is not supported. " + STATEFUL)
-    if body.get("background") is True:
+    if body.background is True:
         raise invalid_request("`background: true` is not supported: nothing here keeps a "
                               "response to fetch later. Stream it instead.")
 
@@ -244,17 +203,17 @@ def refuse_state(body: dict[str, Any]) -> None:
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a Responses body asks for (400 invalid_request naming the field otherwise)."""
     chatreq.refuse_lone_surrogates(body)
-    refuse_state(body)
-    wire.parse(wire.ResponsesBody, body)
-    messages, images = convert_input(body)
-    tools = convert_tools(body.get("tools"))
-    choice, named = tool_choice(body.get("tool_choice"), tools)
-    schema = _text_schema(body.get("text"))
-    reasoning = field(body, "reasoning", dict, {})
-    think = chatreq.thinking(config.values, config.user_keys, effort=reasoning.get("effort"))
-    budget = chatreq.budget(body.get("max_output_tokens"), "max_output_tokens", config.values)
+    parsed = wire.parse(wire.ResponsesBody, body)
+    refuse_state(parsed)
+    messages, images = convert_input(parsed)
+    tools = convert_tools(parsed.tools)
+    choice, named = tool_choice(parsed.tool_choice, tools)
+    effort = parsed.reasoning.effort if parsed.reasoning is not None else None
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
-                      max_tokens=budget, think=think, schema=schema, images=images)
+                      max_tokens=chatreq.budget(parsed.max_output_tokens, "max_output_tokens",
+                                                config.values),
+                      think=chatreq.thinking(config.values, config.user_keys, effort=effort),
+                      schema=_text_schema(parsed.text), images=images)
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 

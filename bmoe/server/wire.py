@@ -2,25 +2,32 @@
 
 Theory of operation
 -------------------
-Each body is a model: its fields, their JSON types, what is required. `parse(Model,
-body)` checks a decoded JSON object against one and answers a failure with `400
-invalid_request` naming the field path (`messages[2].content`) in a sentence of our
-own: never the library's text. The route's error shaper (`shapes.py`) puts it in the
-route's own shape. Unknown fields are ignored, as the spec says of every body here
-(clients send fields of the protocols' newer versions).
+Each body is a model, down to its nested parts: its fields, their JSON types, what is
+required. `parse(Model, body)` checks a decoded JSON object against one and answers a
+failure with `400 invalid_request` naming the field path
+(`messages[2].content[1].source.data`) in a sentence of our own: never the library's
+text. The route's error shaper (`shapes.py`) puts it in the route's own shape. Unknown
+fields are ignored, as the spec says of every body here (clients send fields of the
+protocols' newer versions).
 
 Types are strict (`"5"` is not a number, `1` is not `true`): the protocols are JSON
-and a client that sends the wrong type has a bug it wants to hear about. Fields whose
-meaning depends on more than their type (a token budget: an integer or an integral
-float; a schema; a message's content parts) are typed `Any` here and read by the
-protocol's decoder, which raises the same `invalid_request` with the path.
+and a client that sends the wrong type has a bug it wants to hear about. A part whose
+shape depends on its `type` (a content block, an input item) is a discriminated union
+(`tagged`): an unknown `type` is named with the ones this server reads. Values whose
+meaning is more than a type (a token budget, a JSON schema) are annotated types with a
+check of their own (`TokenBudget`, `Schema`), so they too fail with their path. What is
+left to a protocol's decoder is what no single field says: which tool a choice names,
+whether an image's bytes are an image, a part this server knows but does not take.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import re
+from typing import Annotated, Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field,
+                      StrictBool, StrictStr, Tag, ValidationError)
+from pydantic_core import PydanticCustomError
 
 from ..http.errors import invalid_request
 
@@ -29,50 +36,155 @@ M = TypeVar("M", bound=BaseModel)
 _KINDS = {"string_type": "a string", "bool_type": "true or false", "int_type": "an integer",
           "float_type": "a number", "list_type": "an array", "dict_type": "an object",
           "model_type": "an object", "model_attributes_type": "an object",
-          "none_required": "null"}
+          "union_tag_not_found": "an object", "none_required": "null"}
+_LABELS = ("function-", "union[", "list[", "dict[", "tagged-union[", "nullable[", "literal[",
+           "json-or-python[", "lax-or-strict[")
+MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in one schema; the grammar builder recurses
 
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
 
+class Other(Wire):
+    """A part of a type this server passes over (a hosted tool, a reasoning summary)."""
+
+
 def field_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
-    """pydantic's location as the path a person reads: `messages[2].content`."""
+    """pydantic's location as the path a person reads: `messages[2].content`.
+
+    The location also holds the labels of union members (`str`, `list[...]`, a model's
+    class name, a tag `type=text`); field names of the protocols are lower-case words."""
     out = prefix
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not part.startswith(("function-", "union[", "list[", "dict[")) and \
-                part not in ("str", "bool", "int", "float", "list", "dict", "none"):
+        elif not (part.startswith(_LABELS) or "=" in part or part[:1].isupper()
+                  or part in ("str", "bool", "int", "float", "list", "dict", "none")):
             out += f".{part}" if out else part
     return out
+
+
+def tagged(key: str = "type", default: Callable[[dict[str, Any]], Any] | None = None,
+           only: tuple[str, ...] | None = None) -> Discriminator:
+    """The discriminator of a union of parts told apart by `key`: its members carry
+    `Tag(f"{key}={value}")`. `default` names the kind of a part without `key`; with
+    `only`, a kind not among them is the member tagged `{key}=*` (passed over)."""
+    def kind(value: Any) -> str | None:
+        if not isinstance(value, dict):
+            return None                      # "must be an object"
+        name = value.get(key)
+        if name is None and default is not None:
+            name = default(value)
+        if not isinstance(name, str):
+            return f"{key}="                  # missing, or not a string
+        if only is not None and name not in only:
+            return f"{key}=*"
+        return f"{key}={name}"
+    return Discriminator(kind)
+
+
+def _problem(message: str) -> PydanticCustomError:
+    return PydanticCustomError("bmoe", message)
+
+
+def _schema(value: Any) -> Any:
+    """A JSON schema: an object (empty → {"type": "object"}) or null; nesting bounded."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise _problem("must be a JSON object schema; boolean schemas are not supported")
+    if not isinstance(value, dict):
+        raise _problem("must be a JSON object schema")
+    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        raise _problem(f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+    return value or {"type": "object"}
+
+
+def token_budget(value: Any) -> int | None:
+    """A token budget: a non-negative integer (an integral float is one), or null."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not (isinstance(value, int) or
+                                       (isinstance(value, float) and value.is_integer())):
+        raise _problem("must be a non-negative integer")
+    if value < 0:
+        raise _problem("must be a non-negative integer")
+    return int(value)
+
+
+Schema = Annotated[Any, AfterValidator(_schema)]
+TokenBudget = Annotated[Any, AfterValidator(token_budget)]
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep objects and arrays nest in ``value`` (a loop: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _one_of(quoted: str) -> str:
+    """`'a', 'b', 'c'` (pydantic's list) as `"a", "b" or "c"`."""
+    names = [f'"{n}"' for n in re.findall(r"'([^']*)'", quoted) if n != "*"]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def sentence(error: Any, prefix: str = "") -> str:
     """One validation error as a sentence naming its field."""
     where = field_path(tuple(error["loc"]), prefix) or "The body"
-    kind = error["type"]
+    kind, ctx = error["type"], error.get("ctx") or {}
     if kind == "missing":
         return f"`{where}` is required."
     if kind in _KINDS:
         return f"`{where}` must be {_KINDS[kind]}."
     if kind == "too_short":
         return f"`{where}` is empty: give at least one."
+    if kind == "string_too_short":
+        return f"`{where}` must not be empty."
     if kind == "literal_error":
-        allowed = error.get("ctx", {}).get("expected", "")
-        return f"`{where}` must be one of {allowed}."
+        return f"`{where}` must be {_one_of(ctx.get('expected', ''))}."
+    if kind == "union_tag_invalid":
+        key, _, value = str(ctx.get("tag", "")).partition("=")
+        expected = re.sub(r"'\w+=", "'", str(ctx.get("expected_tags", "")))
+        if not value:
+            return f"`{where}.{key}` is required: {_one_of(expected)}."
+        return f"`{where}.{key}` is {value!r}; here it must be {_one_of(expected)}."
+    if kind == "bmoe":
+        return f"`{where}` {error['msg']}."
     return f"`{where}` has a value of the wrong kind."
 
 
+def _alternative(error: Any) -> str | None:
+    """What one member of a union wanted, when the value had none of their types."""
+    if error["type"] in _KINDS:
+        return _KINDS[error["type"]]
+    if error["type"] == "literal_error":
+        return "one of " + _one_of((error.get("ctx") or {}).get("expected", ""))
+    return None
+
+
 def first_problem(errors: list[Any], prefix: str = "") -> str:
-    """The first bad field, as a sentence; a field that may be one of several types
-    (a union: one error per type) is said once, with all of them."""
-    first = errors[0]
+    """The first bad field, as a sentence.
+
+    A field that may be one of several types (a union) has one error per type: where
+    one member got further (its error lies deeper, inside the value), that one is the
+    problem; where none did, all the types are said at once."""
+    paths = [field_path(tuple(e["loc"]), prefix) for e in errors]
+    deeper = [e for e, p in zip(errors, paths, strict=False)
+              if not any(q.startswith((p + ".", p + "[")) for q in paths)
+              or _alternative(e) is None]
+    first = deeper[0] if deeper else errors[0]
     where = field_path(tuple(first["loc"]), prefix)
-    kinds = [_KINDS[e["type"]] for e in errors
-             if e["type"] in _KINDS and field_path(tuple(e["loc"]), prefix) == where]
+    kinds = [k for e, p in zip(errors, paths, strict=False) if p == where and (k := _alternative(e))]
     if len(kinds) > 1 and where:
-        return f"`{where}` must be {' or '.join(dict.fromkeys(kinds))}."
+        joint = ", or " if any(" or " in k for k in kinds) else " or "
+        return f"`{where}` must be {joint.join(dict.fromkeys(kinds))}."
     return sentence(first, prefix)
 
 
@@ -107,8 +219,33 @@ class EmptyBody(Wire):
     """`POST /api/cancel` and `/api/session/unload`: any object (its fields are ignored)."""
 
 
-# -- the protocols' top-level fields ---------------------------------------------------------
-# The nested parts (messages, content parts, tools) are read by each protocol's decoder.
+# -- OpenAI chat (`/v1/chat/completions`) ---------------------------------------------------
+
+class ChatText(Wire):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageURL(Wire):
+    url: StrictStr
+
+
+class ChatImage(Wire):
+    type: Literal["image_url"]
+    image_url: ImageURL | StrictStr
+
+
+class ChatFilePart(Wire):
+    """Audio and files: known, and refused with a reason by the decoder."""
+    type: Literal["input_audio", "file", "audio"]
+
+
+ChatPart = Annotated[Annotated[ChatText, Tag("type=text")]
+                     | Annotated[ChatImage, Tag("type=image_url")]
+                     | Annotated[ChatFilePart, Tag("type=input_audio")]
+                     | Annotated[ChatFilePart, Tag("type=file")]
+                     | Annotated[ChatFilePart, Tag("type=audio")], tagged()]
+
 
 class ChatFunction(Wire):
     name: StrictStr = ""
@@ -122,50 +259,320 @@ class ChatToolCall(Wire):
 
 class ChatMessage(Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[dict[str, Any]] | None = None   # parts: read by the decoder
+    content: StrictStr | list[ChatPart] | None = None
     tool_calls: list[ChatToolCall] | None = None
     reasoning_content: StrictStr | None = None
     tool_call_id: StrictStr | None = None
 
 
+class FunctionDef(Wire):
+    """A function tool: OpenAI chat's `function`, a Responses `function` tool."""
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: Schema = None
+
+
+class ChatTool(Wire):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatChoiceName(Wire):
+    name: StrictStr
+
+
+class ChatNamedChoice(Wire):
+    type: Literal["function"]
+    function: ChatChoiceName
+
+
+class JsonSchemaFormat(Wire):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+    schema_: Schema = Field(None, alias="schema")
+
+
+class ResponseFormat(Wire):
+    type: Literal["text", "json_object", "json_schema"] | None = None
+    schema_: Schema = Field(None, alias="schema")
+    json_schema: JsonSchemaFormat | None = None
+
+
+class TemplateKwargs(Wire):
+    enable_thinking: StrictBool | None = None
+
+
+class StreamOptions(Wire):
+    include_usage: StrictBool | None = None
+
+
 class ChatBody(Wire):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ChatNamedChoice | None = None
     stream: StrictBool | None = None
-    stream_options: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     think: StrictBool | None = None
     reasoning_effort: StrictStr | None = None
     grammar: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
-    max_tokens: Any = None
-    max_completion_tokens: Any = None
-    json_schema: Any = None
+    response_format: ResponseFormat | None = None
+    max_tokens: TokenBudget = None
+    max_completion_tokens: TokenBudget = None
+    json_schema: Schema = None
     n: Any = None
 
 
+# -- Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) --------------------------
+
+class TextBlock(Wire):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageSource(Wire):
+    type: StrictStr                  # only "base64" is read: the decoder says why
+    media_type: StrictStr = ""
+    data: StrictStr = ""
+
+
+class ImageBlock(Wire):
+    type: Literal["image"]
+    source: ImageSource
+
+
+class DocumentBlock(Wire):
+    """Known, and refused with a reason by the decoder."""
+    type: Literal["document"]
+
+
+class ToolReference(Wire):
+    type: Literal["tool_reference"]
+    tool_name: StrictStr
+
+
+ResultPart = Annotated[Annotated[TextBlock, Tag("type=text")]
+                       | Annotated[ImageBlock, Tag("type=image")]
+                       | Annotated[ToolReference, Tag("type=tool_reference")]
+                       | Annotated[DocumentBlock, Tag("type=document")], tagged()]
+
+
+class ToolResultBlock(Wire):
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[ResultPart] | None = None
+
+
+class ThinkingBlock(Wire):
+    type: Literal["thinking"]
+    thinking: StrictStr
+
+
+class RedactedThinking(Wire):
+    type: Literal["redacted_thinking"]
+
+
+class ToolUseBlock(Wire):
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any] | None = None
+
+
+UserBlock = Annotated[Annotated[TextBlock, Tag("type=text")]
+                      | Annotated[ImageBlock, Tag("type=image")]
+                      | Annotated[ToolResultBlock, Tag("type=tool_result")]
+                      | Annotated[DocumentBlock, Tag("type=document")], tagged()]
+AssistantBlock = Annotated[Annotated[TextBlock, Tag("type=text")]
+                           | Annotated[ThinkingBlock, Tag("type=thinking")]
+                           | Annotated[RedactedThinking, Tag("type=redacted_thinking")]
+                           | Annotated[ToolUseBlock, Tag("type=tool_use")], tagged()]
+
+
+class UserMessage(Wire):
+    role: Literal["user"]
+    content: StrictStr | list[UserBlock]
+
+
+class AssistantMessage(Wire):
+    role: Literal["assistant"]
+    content: StrictStr | list[AssistantBlock]
+
+
+class SystemMessage(Wire):
+    role: Literal["system"]
+    content: StrictStr | list[TextBlock]
+
+
+Message = Annotated[Annotated[UserMessage, Tag("role=user")]
+                    | Annotated[AssistantMessage, Tag("role=assistant")]
+                    | Annotated[SystemMessage, Tag("role=system")], tagged("role")]
+
+
+class ClientTool(Wire):
+    type: Literal["custom"] | None = None
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    input_schema: Schema = None
+    defer_loading: StrictBool | None = None
+
+
+class ServerTool(Wire):
+    """A tool the provider runs (`web_search_...`): refused by the decoder."""
+    type: StrictStr
+
+
+MessagesTool = Annotated[Annotated[ClientTool, Tag("type=custom")]
+                         | Annotated[ServerTool, Tag("type=*")],
+                         tagged(default=lambda _: "custom", only=("custom",))]
+
+
+class MessagesChoice(Wire):
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+
+
+class ThinkingConfig(Wire):
+    type: Literal["enabled", "adaptive", "disabled"]
+
+
+class OutputFormat(Wire):
+    type: Literal["json_schema"]
+    schema_: Schema = Field(None, alias="schema")
+
+
+class OutputConfig(Wire):
+    format: OutputFormat | None = None
+
+
 class MessagesBody(Wire):
-    messages: list[dict[str, Any]]
-    system: StrictStr | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: StrictStr | list[TextBlock] | None = None
+    tools: list[MessagesTool] | None = None
+    tool_choice: MessagesChoice | None = None
     stream: StrictBool | None = None
-    thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None
-    max_tokens: Any = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    max_tokens: TokenBudget = None
+
+
+# -- OpenAI Responses (`/v1/responses`) -----------------------------------------------------------
+
+class InputText(Wire):
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+
+
+class Refusal(Wire):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+class InputImage(Wire):
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None
+    file_id: Any = None
+
+
+class InputFile(Wire):
+    """Files and audio: known, and refused with a reason by the decoder."""
+    type: Literal["input_file", "input_audio", "file", "audio"]
+
+
+InputPart = Annotated[Annotated[InputText, Tag("type=input_text")]
+                      | Annotated[InputText, Tag("type=output_text")]
+                      | Annotated[Refusal, Tag("type=refusal")]
+                      | Annotated[InputImage, Tag("type=input_image")]
+                      | Annotated[InputFile, Tag("type=input_file")]
+                      | Annotated[InputFile, Tag("type=input_audio")]
+                      | Annotated[InputFile, Tag("type=file")]
+                      | Annotated[InputFile, Tag("type=audio")], tagged()]
+
+
+class MessageItem(Wire):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: StrictStr | list[InputPart]
+
+
+class FunctionCallItem(Wire):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr | None = None
+
+
+class FunctionCallOutputItem(Wire):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[InputPart]
+
+
+class ReasoningText(Wire):
+    type: Literal["reasoning_text"]
+    text: StrictStr
+
+
+ReasoningPart = Annotated[Annotated[ReasoningText, Tag("type=reasoning_text")]
+                          | Annotated[Other, Tag("type=*")],
+                          tagged(only=("reasoning_text",))]
+
+
+class ReasoningItem(Wire):
+    type: Literal["reasoning"]
+    content: list[ReasoningPart] | None = None
+
+
+class ItemReference(Wire):
+    """A stored item: refused by the decoder (nothing is stored here)."""
+    type: Literal["item_reference"]
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("type=message")]
+                      | Annotated[FunctionCallItem, Tag("type=function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("type=function_call_output")]
+                      | Annotated[ReasoningItem, Tag("type=reasoning")]
+                      | Annotated[ItemReference, Tag("type=item_reference")],
+                      tagged(default=lambda item: "message" if "role" in item else None)]
+
+
+class FunctionTool(FunctionDef):
+    type: Literal["function"]
+
+
+ResponsesTool = Annotated[Annotated[FunctionTool, Tag("type=function")]
+                          | Annotated[Other, Tag("type=*")], tagged(only=("function",))]
+
+
+class ResponsesNamedChoice(Wire):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(Wire):
+    type: Literal["text", "json_object", "json_schema"] | None = None
+    schema_: Schema = Field(None, alias="schema")
+
+
+class TextConfig(Wire):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(Wire):
+    effort: StrictStr | None = None
 
 
 class ResponsesBody(Wire):
-    input: StrictStr | list[dict[str, Any]]
+    input: StrictStr | list[InputItem]
     instructions: StrictStr | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesNamedChoice | None = None
     stream: StrictBool | None = None
-    reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
-    max_output_tokens: Any = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    max_output_tokens: TokenBudget = None
     background: Any = None
     previous_response_id: Any = None
     conversation: Any = None
