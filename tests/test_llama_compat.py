@@ -701,9 +701,9 @@ def test_shutdown_from_loopback_stops_cleanly(tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_shutdown_is_on_the_local_only_list() -> None:
-    from bmoe.http import access
-    assert ("POST", "/shutdown") in access.local_only_routes()
+def test_shutdown_is_registered_local_only() -> None:
+    from _app_routes import flagged
+    assert ("POST", "/shutdown") in flagged()
 
 
 def test_config_file_rules(tmp_path: Path) -> None:

@@ -182,6 +182,8 @@ def test_a_loaded_model_is_in_use(tmp_path: Path, made: dict[str, Path]) -> None
 
 @pytest.fixture(scope="module")
 def local_only_probe() -> Iterator[Any]:
+    from _app_routes import app_routes
+
     from bmoe.http.access import AccessPolicy, check_access
     from bmoe.http.errors import HTTPError
     from bmoe.http.types import Request
@@ -193,7 +195,8 @@ def local_only_probe() -> Iterator[Any]:
                       ("content-type", "application/json")], b"", (peer, 5000),
                       ("127.0.0.1", 8765))
         try:
-            check_access(req, AccessPolicy(bound_host="0.0.0.0", port=8765, api_key=None))
+            check_access(req, AccessPolicy(bound_host="0.0.0.0", port=8765, api_key=None),
+                         app_routes())
         except HTTPError as e:
             return e.code
         return None

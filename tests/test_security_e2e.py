@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _app_routes import LOCAL_ONLY, concrete
 from _e2e_support import SECURITY_HEADERS, Conn, Reply, call, port_of, request_bytes, wait_for
 from _netns import veth_namespace
 from conftest import ServerProcess, start_server
@@ -123,7 +124,7 @@ def test_no_api_key_opens_the_server_with_a_warning(tmp_path: Path) -> None:
 # --- the key -------------------------------------------------------------------------------
 
 def api_routes() -> list[tuple[str, str]]:
-    """Every route the server has, the ones the spec names for later, and unknown ones."""
+    """Every route the server has, its local-only ones, and unknown ones."""
     now = [("GET", "/api/info"), ("POST", "/api/session/load"), ("POST", "/api/session/unload"),
            ("POST", "/api/cancel"), ("GET", "/api/params"), ("GET", "/api/config"),
            ("PUT", "/api/config"), ("GET", "/api/events"), ("GET", "/v1/models"),
@@ -131,8 +132,8 @@ def api_routes() -> list[tuple[str, str]]:
            ("POST", "/api/decide"), ("GET", "/api/ws"), ("POST", "/v1/messages/count_tokens"),
            ("GET", "/api/nope"), ("DELETE", "/v1/nope"), ("GET", "/api"),
            ("GET", "/v1"), ("HEAD", "/api/info")]
-    later = [(m, p.replace("{name}", "x").replace("{id}", "x")) for m, p in access.local_only_routes()]
-    return now + later
+    local = [(m, concrete(p)) for m, p in sorted(LOCAL_ONLY)]
+    return now + local
 
 
 def test_every_api_route_needs_the_key(keyed: ServerProcess) -> None:
@@ -429,12 +430,13 @@ def test_a_network_peer(namespace: str, tmp_path: Path, tiny_moe: Path) -> None:
             ("add by url", ("POST", "/api/models/url", kj, {"url": "https://example.com/x.gguf"}),
              403, "local_only"),
             ("folders", ("PUT", "/api/models/folders", kj, {"folders": ["/"]}), 403, "local_only"),
-            ("backends", ("GET", "/api/backends", k, None), 403, "local_only"),
-            ("install", ("POST", "/api/backends/x/install", kj, "{}"), 403, "local_only"),
-            ("update", ("GET", "/api/update", k, None), 403, "local_only"),
-            ("workspaces", ("GET", "/api/workspaces", k, None), 403, "local_only"),
+            ("backends: not built", ("GET", "/api/backends", k, None), 404, "not_found"),
+            ("update: not built", ("GET", "/api/update", k, None), 404, "not_found"),
             ("ui without key", ("GET", "/", [("Host", at)], None), -1, None),
         ]
+        # Every route the server registers local-only, from a real network peer.
+        cases += [(f"{m} {p}", (m, concrete(p), k if m == "GET" else kj, None if m == "GET"
+                                else "{}"), 403, "local_only") for m, p in sorted(LOCAL_ONLY)]
         for path in outside_paths:
             cases.append((f"load {path}", ("POST", "/api/session/load", kj, {"model": path}),
                           403, "outside_models_dir"))

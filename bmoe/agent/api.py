@@ -10,7 +10,6 @@ every route that reaches files, processes or keys checks the peer again itself.
 from __future__ import annotations
 
 import argparse
-import inspect
 import shutil
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -122,10 +121,8 @@ async def run(state: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_
 
 
 def register(table: RouteTable, state: Any) -> None:
-    flag = "local_only" in inspect.signature(table.add).parameters
     for method, pattern, fn, local in ROUTES:
-        kw: dict[str, Any] = {"local_only": True} if flag and local else {}
-        table.add(method, pattern, _bound(fn, state), **kw)
+        table.add(method, pattern, _bound(fn, state), local_only=local)
 
 
 def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:

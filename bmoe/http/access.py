@@ -29,8 +29,10 @@ prefixes but must not become a side door (UI files are served without these chec
 4. **Content type**: a request that is not ``GET`` (or ``HEAD``, which is a ``GET``
    without its body) must say ``Content-Type: application/json`` (any case,
    parameters such as ``; charset=utf-8`` allowed): else ``415``. An HTML form cannot.
-5. **Local-only routes**: ``local_only_routes()`` from a peer that is not loopback is
-   ``403 local_only``, whatever the key.
+5. **Local-only routes**: a route registered with ``RouteTable.add(..., local_only=True)``,
+   asked by a peer that is not loopback, is ``403 local_only``, whatever the key. The
+   application says which routes those are where it registers them: this layer keeps
+   no application routes.
 
 No CORS header is ever sent, so no other origin can read an answer either.
 """
@@ -42,7 +44,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from .errors import HTTPError
-from .routes import Pattern, RouteTable, path_segments
+from .routes import RouteTable, path_segments
 from .types import Request
 
 
@@ -53,42 +55,6 @@ class AccessPolicy:
     api_key: str | None = None
     allow_origins: list[str] = field(default_factory=list)
 
-
-def local_only_routes() -> list[tuple[str, str]]:
-    """Routes answered only to a peer on loopback: they install software, read the
-    network for the person, or reach this computer's files, processes or secrets.
-
-    A route says so where it is registered (``RouteTable.add(..., local_only=True)``);
-    this list holds the spec's local-only routes until their code registers them, so a
-    route built later cannot open before its flag: an entry goes once its route is
-    registered with the flag."""
-    return [
-        # Models, backends, updates.
-        ("DELETE", "/api/models/local/{name}"),
-        ("POST", "/api/models/url"),
-        ("PUT", "/api/models/folders"),
-        ("GET", "/api/backends"),
-        ("POST", "/api/backends/{id}/install"),
-        ("GET", "/api/update"),
-        ("POST", "/api/update/download"),
-        # The agent's reach into this computer.
-        ("GET", "/api/workspaces"),
-        ("POST", "/api/workspaces"),
-        ("DELETE", "/api/workspaces/{id}"),
-        ("GET", "/api/skills"),
-        ("POST", "/api/skills"),
-        *[(m, p) for m in ("GET", "POST", "PUT", "DELETE") for p in ("/api/tasks", "/api/tasks/{id}")],
-        *[(m, p) for m in ("GET", "PUT") for p in ("/api/providers", "/api/providers/{id}")],
-        ("GET", "/api/clients"),
-        ("POST", "/api/connect/{id}"),
-        ("POST", "/api/conversations/{id}/approval"),
-        ("GET", "/api/conversations/{id}/file"),
-        # Stopping the server.
-        ("POST", "/shutdown"),
-    ]
-
-
-_LOCAL_ONLY = [(m, Pattern.parse(p)) for m, p in local_only_routes()]
 
 _SECURITY_OK_FETCH_SITES = {"same-origin", "none"}
 
@@ -120,17 +86,17 @@ def is_api_path(path: str) -> bool:
                for p in ("/api", "/v1", *llama_server_paths()))
 
 
-def is_local_only(method: str, request: Request, routes: RouteTable | None = None) -> bool:
-    """Whether (method, path) is a local-only route (registered with ``local_only=True``
-    in ``routes``, or on the list of the ones not built yet), matched loosely on both the
-    raw and the decoded segmentation, so no spelling of a path slips past it."""
+def is_local_only(method: str, request: Request, routes: RouteTable) -> bool:
+    """Whether (method, path) is a route registered with ``local_only=True`` in
+    ``routes``, matched loosely on both the raw and the decoded segmentation, so no
+    spelling of a path slips past it."""
     method = "GET" if method == "HEAD" else method
     views = [path_segments(request.raw_path), request.path[1:].split("/")]
-    patterns = _LOCAL_ONLY + (routes.local_only_patterns() if routes is not None else [])
-    return any(m == method and p.match_loosely(v) for m, p in patterns for v in views)
+    return any(m == method and p.match_loosely(v)
+               for m, p in routes.local_only_patterns() for v in views)
 
 
-def check_access(request: Request, policy: AccessPolicy, routes: RouteTable | None = None) -> None:
+def check_access(request: Request, policy: AccessPolicy, routes: RouteTable) -> None:
     """Raise the first refusal that applies to ``request`` (see the module docstring);
     ``routes`` says which routes were registered local-only."""
     _check_host(request, policy)

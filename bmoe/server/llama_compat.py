@@ -261,7 +261,7 @@ def register(table: RouteTable, state: ServerState) -> None:
     add("GET", "/v1/models/{id}", model)
     add("GET", "/api/tags", ollama_tags)
     add("POST", "/api/show", ollama_show)
-    add("POST", "/shutdown", shutdown)
+    add("POST", "/shutdown", shutdown, local_only=True)
 
 
 def not_supported(message: str) -> HTTPError:
@@ -417,9 +417,7 @@ SHUTDOWN_DELAY_S = 0.2   # the answer goes out before the stop begins
 
 async def shutdown(state: ServerState, request: Request) -> Response:
     """Stop the server as SIGTERM does (the running answer ends, exit 0); from this
-    machine only (also on the local-only list, enforced before routing)."""
-    if not request.peer_is_loopback:
-        raise HTTPError(403, "local_only", "This route answers a client on this machine only.")
+    machine only (registered `local_only`: the access checks refuse the network first)."""
     request.json_object()
 
     async def later() -> None:

@@ -1,14 +1,13 @@
 """The routes of the spec's ``## Models`` section: thin handlers over ``ModelsService``.
 
-``register(table, state)`` adds them to the route table; ``bmoe/http/access.py`` (or the
-table's ``local_only`` flag, where the table has one) keeps deleting a model, adding one
-from a link and choosing the folders to a client on this machine. A ``ModelsError`` the
+``register(table, state)`` adds them to the route table, deleting a model, adding one
+from a link and choosing the folders with ``local_only=True``: the access checks keep
+them to a client on this machine. A ``ModelsError`` the
 service raises becomes the ``HTTPError`` with its status, code and sentence.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Awaitable, Callable
 from functools import wraps
@@ -29,12 +28,9 @@ Handler = Callable[[ModelsService, Request], Awaitable[Response]]
 
 def register(table: RouteTable, state: Any) -> None:
     """Add the models routes; the service is ``state.models`` (set at start)."""
-    flag = "local_only" in inspect.signature(table.add).parameters
     for method, pattern, fn in ROUTES:
-        kw: dict[str, Any] = {}
-        if flag and (method, pattern) in LOCAL_ONLY:
-            kw["local_only"] = True
-        table.add(method, pattern, _bound(fn, state), **kw)
+        table.add(method, pattern, _bound(fn, state),
+                  local_only=(method, pattern) in LOCAL_ONLY)
 
 
 def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:

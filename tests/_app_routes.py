@@ -1,0 +1,44 @@
+"""The route table `bmoe-server` serves, built as the server builds it, and the routes
+the spec keeps to a client on this machine (its own register() flags each one)."""
+
+from __future__ import annotations
+
+from functools import cache
+from types import SimpleNamespace
+
+from bmoe.http.routes import RouteTable
+from bmoe.server.routes import build_routes
+
+# The spec's local-only routes that are built: models (delete, add from a link, folders),
+# the agent's reach into this computer, and llama-server's /shutdown. The backend-pack
+# and update routes are not built: they do not exist (404), so they are not here.
+LOCAL_ONLY = {
+    ("DELETE", "/api/models/local/{name:path}"), ("POST", "/api/models/url"),
+    ("PUT", "/api/models/folders"),
+    ("POST", "/api/conversations/{id}/approval"), ("GET", "/api/conversations/{id}/file"),
+    ("GET", "/api/workspaces"), ("POST", "/api/workspaces"), ("DELETE", "/api/workspaces/{id}"),
+    ("GET", "/api/providers"), ("PUT", "/api/providers/{id}"),
+    ("DELETE", "/api/providers/{id}"),
+    ("GET", "/api/skills"), ("POST", "/api/skills"), ("PUT", "/api/skills/{name}"),
+    ("DELETE", "/api/skills/{name}"),
+    ("GET", "/api/tasks"), ("POST", "/api/tasks"), ("GET", "/api/tasks/{id}"),
+    ("PUT", "/api/tasks/{id}"), ("DELETE", "/api/tasks/{id}"), ("POST", "/api/tasks/{id}/run"),
+    ("GET", "/api/clients"), ("POST", "/api/connect/{id}"), ("POST", "/api/mcp/{name}/restart"),
+    ("POST", "/shutdown"),
+}
+
+
+@cache
+def app_routes() -> RouteTable:
+    """The real table. Its handlers are bound to the state and never called here."""
+    return build_routes(SimpleNamespace())  # type: ignore[arg-type]
+
+
+def flagged() -> set[tuple[str, str]]:
+    """(method, pattern) of every route the real table registered `local_only=True`."""
+    return {(m, p.text) for m, p in app_routes().local_only_patterns()}
+
+
+def concrete(pattern: str) -> str:
+    """A path the pattern matches: each parameter as `x1`."""
+    return "/".join("x1" if part.startswith("{") else part for part in pattern.split("/"))
