@@ -11,6 +11,7 @@ import { h, byId, fill, frameThrottle } from './dom.js';
 import {
   applyConversation, applyItem, applyDelta, argumentsText, previewPath, TOOL_STATE_TEXT, MODE_TEXT,
 } from './agentmodel.js';
+import { toggleSkill } from './toolsmodel.js';
 
 export class AgentView {
   constructor({ api, renderer }) {
@@ -20,6 +21,7 @@ export class AgentView {
     this.list = [];
     this.conv = null;
     this.workspaces = [];
+    this.skills = [];
     this.caps = { tools: true };
     this.itemEls = new Map();
     this.dirty = new Set();
@@ -54,6 +56,7 @@ export class AgentView {
     this.metaEl = h('div', { class: 'agent-meta' });
     this.stopButton = h('button', { type: 'button', class: 'danger', id: 'agent-stop', text: 'Stop', hidden: true, on: { click: () => this.stop() } });
     this.deleteButton = h('button', { type: 'button', text: 'Delete', hidden: true, on: { click: () => this.remove() } });
+    this.skillsBox = h('details', { class: 'agent-skills', id: 'agent-skills', hidden: true });
     this.itemsEl = h('div', { class: 'agent-items', 'aria-live': 'polite' });
     this.input = h('textarea', { rows: 3, id: 'agent-prompt', 'aria-label': 'Message to the agent', placeholder: 'Ask the agent. Enter sends; Shift+Enter starts a new line.' });
     this.input.addEventListener('keydown', (e) => {
@@ -68,7 +71,7 @@ export class AgentView {
     this.previewBox = h('div', { class: 'agent-preview', hidden: true });
     const main = h('div', { class: 'agent-main' },
       h('div', { class: 'agent-head' }, this.titleEl, this.metaEl, h('div', { class: 'spacer' }), this.deleteButton, this.stopButton),
-      this.itemsEl, this.previewBox, this.errorEl,
+      this.skillsBox, this.itemsEl, this.previewBox, this.errorEl,
       h('div', { class: 'composer' }, this.input, h('div', { class: 'composer-bar' }, h('div', { class: 'spacer' }), this.sendButton)));
     fill(this.root, h('div', { class: 'agent' }, side, main));
     this.renderHead();
@@ -81,6 +84,7 @@ export class AgentView {
       this.caps = { tools: false };
     }
     this.wsBox.hidden = !this.caps.tools;
+    this.renderSkills();
     await Promise.all([this.loadList(), this.loadWorkspaces(), this.loadProviders()]);
   }
 
@@ -212,7 +216,43 @@ export class AgentView {
     for (const item of conv.items) this.renderItem(item);
     this.renderHead();
     this.renderList();
+    this.renderSkills();
     this.errorEl.hidden = true;
+  }
+
+  /** The skills there are (the Tools screen reads them), for the open conversation's switches. */
+  setSkills(skills) {
+    this.skills = skills;
+    this.renderSkills();
+  }
+
+  renderSkills() {
+    const conv = this.conv;
+    const box = this.skillsBox;
+    box.hidden = !conv || !this.caps.tools || !this.skills.length;
+    if (box.hidden) return;
+    const on = conv.skills || [];
+    const wasOpen = box.open;
+    fill(box, h('summary', { text: `Skills (${on.length} on)` }),
+      h('div', { class: 'agent-skill-list', role: 'group', 'aria-label': 'Skills for this conversation' },
+        conv.workspace ? null : h('p', { class: 'note', text: 'Skills are offered to the agent in a conversation with a workspace folder.' }),
+        this.skills.map((s) => h('label', { class: 'toggle', title: s.description },
+          h('input', { type: 'checkbox', checked: on.includes(s.name), dataset: { skill: s.name }, on: { change: (e) => this.switchSkill(s.name, e.target.checked) } }),
+          ` ${s.name}`))));
+    box.open = wasOpen;
+  }
+
+  async switchSkill(name, onOff) {
+    const conv = this.conv;
+    if (!conv) return;
+    try {
+      const changed = await this.api.json('PUT', `/api/conversations/${conv.id}`, { skills: toggleSkill(conv.skills, name, onOff) });
+      if (this.conv === conv) conv.skills = changed.skills;
+      this.errorEl.hidden = true;
+    } catch (e) {
+      this.showError(e.message);
+    }
+    this.renderSkills();
   }
 
   // -- events ----------------------------------------------------------------------
@@ -271,6 +311,7 @@ export class AgentView {
     this.input.disabled = !conv;
     if (!conv) {
       fill(this.metaEl);
+      this.skillsBox.hidden = true;
       return;
     }
     const ws = conv.workspace ? conv.workspace.path : 'no folder';

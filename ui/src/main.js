@@ -11,8 +11,9 @@ import { SettingsView } from './settingsview.js';
 import { ModelsView } from './modelsview.js';
 import { PlanView } from './planview.js';
 import { AgentView } from './agentview.js';
+import { ToolsView } from './toolsview.js';
 
-const VIEWS = ['chat', 'settings', 'models', 'plan', 'agent'];
+const VIEWS = ['chat', 'settings', 'models', 'plan', 'agent', 'tools'];
 
 class App {
   constructor() {
@@ -25,6 +26,11 @@ class App {
     this.plan = new PlanView({ api: this.api });
     this.chat = new Chat({ api: this.api, renderer: createRenderer(window) });
     this.agent = new AgentView({ api: this.api, renderer: createRenderer(window) });
+    this.tools = new ToolsView({
+      api: this.api,
+      openConversation: (id) => { this.show('agent'); this.agent.open(id); },
+      onSkills: (skills) => this.agent.setSkills(skills),
+    });
     for (const tab of document.querySelectorAll('.tab[data-view]')) {
       tab.addEventListener('click', () => this.show(tab.dataset.view));
     }
@@ -43,6 +49,7 @@ class App {
     }
     document.body.dataset.current = view;
     if (view === 'plan' && this.plan) this.plan.open();
+    if (view === 'tools' && this.tools) this.tools.open();
     if (location.hash.slice(1) !== view) history.replaceState(null, '', `#${view}`);
   }
 
@@ -67,6 +74,7 @@ class App {
     this.events = new EventStream(this.api, (name, data) => this.onEvent(name, data), (s) => this.onConnection(s));
     this.events.start();
     this.agent.start();
+    this.tools.start();
   }
 
   onEvent(name, data) {
@@ -75,6 +83,10 @@ class App {
       case 'item':
       case 'delta':
         this.agent.onEvent(name, data);
+        break;
+      case 'task':
+      case 'mcp':
+        this.tools.onEvent(name, data);
         break;
       case 'state':
         this.onState(data);
@@ -164,7 +176,10 @@ class App {
   }
 
   onConnection(s) {
-    if (s.state === 'live' && this.wasLive === false) this.agent.resync();
+    if (s.state === 'live' && this.wasLive === false) {
+      this.agent.resync();
+      this.tools.resync();
+    }
     if (s.state === 'live' || this.wasLive) this.wasLive = s.state === 'live';
     const el = byId('conn');
     el.dataset.state = s.state;
