@@ -2,7 +2,8 @@
 
 `python mcp_test_server.py [mode]`: mode `good` (the default) serves the tools below;
 `hang-init` never answers `initialize`; `garbage` writes lines that are not JSON-RPC
-and nothing else; `die` exits at once with status 7. The tools misbehave on demand:
+and nothing else; `die` exits at once with status 7; `http PORT` and `sse PORT` serve
+the same tools over streamable HTTP (`/mcp`) or SSE (`/sse`) on 127.0.0.1. The tools misbehave on demand:
 `hang` never answers, `crash` exits mid-call, `garbage` writes non-JSON lines on stdout,
 `flood` writes a stdout line with no end and megabytes on stderr.
 """
@@ -73,6 +74,13 @@ def main() -> None:
     elif mode == "die":
         sys.stderr.write("cannot start: no configuration\n")
         sys.exit(7)
+    elif mode in ("http", "sse"):                  # `http PORT`: streamable HTTP at /mcp
+        port = int(sys.argv[2])
+        if mode == "http":
+            app.run("streamable-http", host="127.0.0.1", port=port)
+        else:
+            app.run("sse", host="127.0.0.1", port=port)
+        return
     app.run("stdio")
 
 

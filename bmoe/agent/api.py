@@ -144,13 +144,12 @@ async def get_agent(svc: AgentService, request: Request) -> Response:
     agents += [{"id": c["id"], "name": c["name"], "builtin": False, "program": c["program"],
                 "installed": shutil.which(c["program"]) is not None} for c in others]
     mcp: list[dict[str, Any]] = []
-    mcp_error = None
     if has_tools and request.peer_is_loopback:
         svc.mcp.want_all()                 # a server starts when first asked about
-        mcp, mcp_error = svc.mcp.listing(), svc.mcp.config_error
+        mcp = svc.mcp.listing()
     return Response.json({"tools": has_tools,
                           "commands": has_tools and shutil.which("sh") is not None,
-                          "agents": agents, "mcp": mcp, "mcp_error": mcp_error})
+                          "agents": agents, "mcp": mcp})
 
 
 async def restart_mcp(svc: AgentService, request: Request) -> Response:
