@@ -121,9 +121,9 @@ export const MCP_STATE_TEXT = {
 };
 
 /** The example a person copies into <data>/mcp.json. */
-export const MCP_EXAMPLE = JSON.stringify({
-  mcpServers: {
-    files: { command: 'npx', args: ['-y', '@modelcontextprotocol/server-filesystem', '/path/to/folder'] },
-    web: { type: 'http', url: 'https://example.com/mcp', headers: { Authorization: 'Bearer …' } },
-  },
-}, null, 2);
+export const MCP_EXAMPLE = `{
+  "mcpServers": {
+    "files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/path/to/folder"]},
+    "web": {"type": "http", "url": "https://example.com/mcp", "headers": {"Authorization": "Bearer …"}}
+  }
+}`;

@@ -245,7 +245,8 @@ export class ToolsView {
     const f = this.taskForm;
     const keep = (sel, values) => (values.includes(sel.value) ? sel.value : null);
     const w = keep(f.workspace, this.workspaces.map((x) => x.id));
-    fill(f.workspace, this.workspaces.map((x) => h('option', { value: x.id, text: x.path })));
+    fill(f.workspace, this.workspaces.length ? null : h('option', { value: '', text: 'No workspace yet' }),
+      this.workspaces.map((x) => h('option', { value: x.id, text: x.path })));
     if (w) f.workspace.value = w;
     const r = keep(f.route, this.providers.map((p) => p.id));
     fill(f.route, h('option', { value: 'local', text: 'The local model' }),
@@ -265,7 +266,7 @@ export class ToolsView {
         h('div', { class: 'tools-item-head' },
           h('strong', { class: 'tools-name', text: t.title }),
           h('span', { class: 'agent-badge', text: scheduleText(t.schedule) }),
-          last ? h('span', { class: `agent-badge state-${last.state === 'error' ? 'error' : last.state}`, text: RUN_STATE_TEXT[last.state] || last.state }) : null,
+          last ? h('span', { class: `agent-badge state-${last.state}`, text: RUN_STATE_TEXT[last.state] || last.state }) : null,
           h('div', { class: 'spacer' }),
           h('button', { type: 'button', class: 'primary', text: 'Run now', dataset: { action: 'run' }, 'aria-label': `Run ${t.title} now`, on: { click: () => this.runTask(t) } }),
           h('button', { type: 'button', text: 'Edit', 'aria-label': `Edit ${t.title}`, on: { click: () => this.editTask(t) } }),

@@ -2,7 +2,7 @@ import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import {
   applyTask, applyMcp, scheduleText, scheduleToForm, scheduleFromForm, whenText, lastRunText, nextRunText,
-  skillGroups, toggleSkill, connectText,
+  skillGroups, toggleSkill, connectText, MCP_EXAMPLE,
 } from '../src/toolsmodel.js';
 
 test('task events upsert newest first and delete', () => {
@@ -79,4 +79,12 @@ test('what a connect did, in a sentence', () => {
   assert.equal(connectText('Codex', { settings: '/h/.codex/config.toml', backup: null, changed: true, note: 'Set BMOE_API_KEY to the server\'s key before starting Codex.' }),
     'Codex now uses this server: wrote /h/.codex/config.toml. Set BMOE_API_KEY to the server\'s key before starting Codex.');
   assert.match(connectText('opencode', { settings: '/x.json', backup: null, changed: false }), /already uses this server: \/x.json is unchanged/);
+});
+
+test('the mcp.json example is the mcpServers format, one stdio and one http server', () => {
+  const { mcpServers } = JSON.parse(MCP_EXAMPLE);
+  assert.equal(typeof mcpServers.files.command, 'string');
+  assert.ok(Array.isArray(mcpServers.files.args));
+  assert.equal(mcpServers.web.type, 'http');
+  assert.match(mcpServers.web.url, /^https:\/\//);
 });
