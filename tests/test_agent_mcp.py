@@ -126,6 +126,9 @@ def test_a_tool_is_offered_under_its_server_qualified_name() -> None:
     assert "maxLength" not in spec["parameters"]["properties"]["n"]   # relaxed as for any tool
     with pytest.raises(ValueError):
         mcp.bounded_tool("files", _tool("has space"))
+    assert len(mcp.bounded_tool("s" * 32, _tool("t" * 25)).qualified) == 64
+    with pytest.raises(ValueError):
+        mcp.bounded_tool("s" * 32, _tool("t" * 26))      # past OpenAI's 64 characters
     servers = mcp.McpServers(Path("/nonexistent"), lambda e: None)
     servers.servers = {"files": mcp.Server(mcp.ServerConfig("files", "stdio", command="x"),
                                            lambda s: None)}

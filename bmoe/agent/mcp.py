@@ -78,6 +78,7 @@ MCP_SCHEMA_MAX_BYTES = 16 * 1024   # one tool's input schema, as JSON
 MCP_DESCRIPTION_MAX_CHARS = 1024   # one tool's description, as offered
 MCP_CONFIG_MAX_BYTES = 2**20       # mcp.json
 MCP_LIST_PAGES_MAX = 10            # tools/list pages read
+QUALIFIED_MAX_CHARS = 64           # a tool's name as offered (OpenAI's and Anthropic's limit)
 
 NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_)){0,31}\Z")   # no "__": it separates
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
@@ -222,6 +223,9 @@ def bounded_tool(server: str, raw: types.Tool) -> Tool:
     """The tool as offered, or ValueError saying why it cannot be."""
     if not TOOL_NAME_RE.match(raw.name):
         raise ValueError(f"the tool name {raw.name[:40]!r} is not letters, digits, `_` and `-`")
+    if len(PREFIX) + len(server) + 2 + len(raw.name) > QUALIFIED_MAX_CHARS:
+        raise ValueError(f"the tool name {raw.name} is too long: with the server's name it "
+                         f"passes {QUALIFIED_MAX_CHARS} characters")
     schema = raw.input_schema or {"type": "object"}
     size = len(json.dumps(schema))
     if size > MCP_SCHEMA_MAX_BYTES:
@@ -454,6 +458,7 @@ class Server:
         self._end = trio.Event()           # the current session should end
         self._end_reason: str | None = None
         self.next_start = 0.0              # trio time of the next start after a failure
+        self.settled = bool(cfg.problem)   # its first start has run or failed
         self.tail = Tail()
 
     def entry(self) -> dict[str, Any]:
@@ -464,6 +469,7 @@ class Server:
     def _set(self, state: str, error: str | None) -> None:
         """A new state: waiters wake; an `mcp` event when it differs from the last."""
         same = (state, error) == (self.state, self.error)
+        self.settled = self.settled or state in ("running", "failed")
         self.state, self.error = state, error
         self._changed.set()
         self._changed = trio.Event()
@@ -653,11 +659,13 @@ class McpServers:
             s.want()
 
     async def specs(self) -> list[dict[str, Any]]:
-        """The tools to offer, once every server runs or has failed (or its start has
-        taken `MCP_START_TIMEOUT_S`)."""
+        """The tools to offer, once every server's first start has run or failed (or
+        taken `MCP_START_TIMEOUT_S`); a server starting again is not waited for."""
+        self.want_all()
         async with trio.open_nursery() as nursery:
             for s in self.servers.values():
-                nursery.start_soon(s.ready)
+                if not s.settled:
+                    nursery.start_soon(s.ready)
         tools = [t for s in self.servers.values() if s.state == "running" for t in s.tools]
         return [t.spec() for t in tools[:MCP_OFFERED_MAX]]
 
