@@ -154,6 +154,9 @@ def _tasks(w: Watched, srv: ServerProcess, provider: Scripted) -> None:  # noqa:
     item = f"#task-list [data-task={tid}]"
     assert "Every hour" in w.text(item)
     assert w.text(f"{item} .task-next") in ("in 60 min", "in 1 h")
+    # the relative times follow the clock without a rebuild (as the 30 s timer does)
+    p.evaluate("() => window.bmoeApp.tools.refreshTimes(Date.now() / 1000 + 1800)")
+    assert w.text(f"{item} .task-next") in ("in 30 min", "in 29 min")
     assert w.text(f"{item} .task-last") == "never"
     p.click(f"{item} button[data-action=run]")
     w.wait(f"() => document.querySelector('{item}')?.dataset.run === 'running'", "the run, running")

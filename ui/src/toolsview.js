@@ -33,6 +33,8 @@ export class ToolsView {
     this.editingSkill = null;
     this.editingTask = null;
     this.build();
+    // "in 5 min" and "3 h ago" kept true while the screen is open, without rebuilding it
+    setInterval(() => { if (!this.root.hidden) this.refreshTimes(); }, 30000);
   }
 
   build() {
@@ -275,13 +277,24 @@ export class ToolsView {
         h('dl', { class: 'tools-runs' },
           next ? [h('dt', { text: 'Next run' }), h('dd', { class: 'task-next', text: next })] : null,
           h('dt', { text: 'Last run' }),
-          h('dd', { class: 'task-last' }, last ? lastRunText(t, now) : 'never',
+          h('dd', { class: 'task-last' }, h('span', { class: 'task-last-text', text: last ? lastRunText(t, now) : 'never' }),
             last && last.conversation ? [' · ', h('a', {
               href: '#agent', class: 'task-conv',
               on: { click: (e) => { e.preventDefault(); this.openConversation(last.conversation); } },
             }, 'open its conversation')] : null)),
         h('p', { class: 'error', role: 'alert', dataset: { for: t.id }, hidden: true }));
     }), this.tasks.length ? null : h('li', { class: 'tools-empty', text: 'No tasks yet.' }));
+  }
+
+  refreshTimes(now = Date.now() / 1000) {
+    for (const t of this.tasks) {
+      const li = [...this.taskList.children].find((el) => el.dataset.task === t.id);
+      if (!li) continue;
+      const next = li.querySelector('.task-next');
+      if (next) next.textContent = nextRunText(t, now);
+      const last = li.querySelector('.task-last-text');
+      if (last && t.last_run) last.textContent = lastRunText(t, now);
+    }
   }
 
   editTask(task) {
