@@ -321,6 +321,14 @@ def _rows() -> tuple[Param, ...]:
              "memory pressure evict them and read them again.",
              "anon", choices=(Named("mmap", "file mapping"),
                               Named("anon", "process memory"))),
+        _row("rpc", "RPC helpers", "text", "memory", "advanced",
+             "Other machines (HOST:PORT, comma-separated) that hold some of the model's "
+             "layers in their memory.",
+             "Each runs `bmoe-server rpc-worker`; the layers are shared among them by the "
+             "memory they report, and the expert streamer is off for such a load. Set at "
+             "launch only: the protocol is unauthenticated, so where it connects is not "
+             "an API setting.",
+             "", launch_only=True),
         _row("force-cache", "Force cache size", "bool", "diagnostics", "debug",
              "Accepts an expert cache smaller than one token cycle.",
              "The engine refuses such a cache because it hits 0 % and is slower than "
@@ -470,7 +478,12 @@ def _parse_text(p: Param, raw: Any) -> str:
         raise ValueError(f"{{{p.key}}} must be text, not {_shown(raw)}")
     if "\0" in raw:
         raise ValueError(f"{{{p.key}}} must not contain a NUL character")
+    if p.key == "rpc" and not _RPC_LIST.match(raw):
+        raise ValueError(f"{{{p.key}}} must be HOST:PORT[,HOST:PORT...], not {_shown(raw)}")
     return raw
+
+
+_RPC_LIST = re.compile(r"^\s*(?:[^,:\s]+:\d{1,5}(?:\s*,\s*[^,:\s]+:\d{1,5})*)?\s*$")
 
 
 def _parse_choice(p: Param, raw: Any) -> str:

@@ -155,6 +155,7 @@ class Session:
         self.tool_framing: str | None = None
         self.vision: Vision | None = None
         self.trial: Trial | None = None       # the first answer's calibration (calibrate.py)
+        self.rpc: Any = None                  # rpc.RpcDevices when helpers hold layers
         try:
             self._open(streamer_factory)
         except BaseException:
@@ -168,12 +169,21 @@ class Session:
         if not self.path.is_file():
             raise LoadError(f"The model file {self.path} does not exist.")
         self.arch = ""
+        endpoints = _rpc_endpoints(self.values)
+        if endpoints:
+            # Layers on a helper are not in this process's memory, so the expert streamer
+            # (which rebinds expert tensors to its own buffers) stays off for such a load.
+            from . import rpc
+            self.rpc = rpc.RpcDevices(endpoints, rpc.reach(endpoints))
+            streamer_factory = None
         self.streamer = streamer_factory(self) if streamer_factory else None
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.load_mode = lc.LLAMA_LOAD_MODE_MMAP
         if self.streamer is not None:
             self.streamer.configure_model_params(mparams)
+        if self.rpc is not None:
+            self.rpc.configure(mparams, self.rpc.split_for(self.values))
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise LoadError(f"llama.cpp could not load {self.path.name}: not a model file it reads.")
@@ -261,6 +271,10 @@ class Session:
         if self._batch is not None:
             lc.llama_batch_free(self._batch)
             self._batch = None
+        if self.rpc is not None and self.rpc.failed:
+            # A helper was lost mid-decode: the context and model cannot be freed safely
+            # (rpcguard.c); they are leaked, and the next load connects afresh.
+            self.ctx = self.model = None
         if self.ctx:
             lc.llama_free(self.ctx)
             self.ctx = None
@@ -372,7 +386,8 @@ class Session:
             if last and want_logits:
                 b.logits[n - 1] = 1
             b.n_tokens = n
-            rc = lc.llama_decode(self.ctx, b)
+            rc = self.rpc.decode(self.ctx, b) if self.rpc is not None else \
+                lc.llama_decode(self.ctx, b)
             if self.streamer is not None:
                 self._check_streamer(pos0)
             if rc == 2:
@@ -419,6 +434,7 @@ class Session:
     def prefill(self, prompt: list[int], cancel: threading.Event) -> tuple[int, float]:
         """Bring the KV to `prompt` (all but nothing left to decode); returns (reused, seconds)."""
         t0 = time.monotonic()
+        self._check_usable()
         reused = self._reuse_prefix(prompt)
         self._abort_flag = cancel
         lc.llama_set_abort_callback(self.ctx, self._abort_ref, None)
@@ -448,6 +464,7 @@ class Session:
         """
         if not prompt:
             raise EngineError("empty_prompt", "The prompt is empty.")
+        self._check_usable()
         room = self.n_ctx - len(prompt)
         if room <= 0:
             raise context_full(len(prompt), self.n_ctx)
@@ -564,13 +581,34 @@ class Session:
 
     def truncate_kv(self, n: int) -> None:
         """Forget every KV position from `n` on (a turn rolled back)."""
-        if n < len(self.kv_tokens):
+        if n < len(self.kv_tokens) and self.usable:
             lc.llama_memory_seq_rm(self.memory, 0, n, -1)
             del self.kv_tokens[n:]
 
     def clear_kv(self) -> None:
-        lc.llama_memory_clear(self.memory, True)
+        if self.usable:
+            lc.llama_memory_clear(self.memory, True)
         self.kv_tokens = []
+
+    @property
+    def usable(self) -> bool:
+        """False once an RPC helper was lost mid-decode: the context must not be touched."""
+        return self.rpc is None or not self.rpc.failed
+
+    def _check_usable(self) -> None:
+        if not self.usable:
+            raise EngineError("failed", self.rpc.failed)
+
+
+def _rpc_endpoints(values: dict[str, Any]) -> tuple[Any, ...]:
+    text = str(values.get("rpc") or "").strip()
+    if not text:
+        return ()
+    from .rpc import parse_endpoints
+    try:
+        return parse_endpoints(text)
+    except ValueError as e:
+        raise LoadError(f"{{rpc}}: {e}") from None
 
 
 _NO_ABORT = ctypes.cast(ctypes.c_void_p(), lc.ggml_abort_callback)

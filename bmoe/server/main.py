@@ -121,11 +121,42 @@ def open_browser(url: str) -> None:
     subprocess.Popen([exe, url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def rpc_worker_main(argv: list[str]) -> int:
+    """`bmoe-server rpc-worker`: lend this machine's CPU and memory to a bmoe server's
+    `--rpc` (llama.cpp's RPC server; see bmoe/engine/rpc.py and docs/security.md)."""
+    from ..engine import rpc
+    parser = argparse.ArgumentParser(
+        prog="bmoe-server rpc-worker",
+        description="Serve this machine's CPU and memory to one bmoe server at a time "
+                    "(llama.cpp's RPC backend): that server's --rpc HOST:PORT puts some of "
+                    "the model's layers here. The protocol has no authentication.")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; any other needs "
+                             "--allow-network)")
+    parser.add_argument("--port", type=int, default=rpc.DEFAULT_PORT,
+                        help=f"port (default {rpc.DEFAULT_PORT})")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="threads of the CPU device (default: half the cores)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="keep received tensors in this folder, so a reload sends only "
+                             "their hashes (llama.cpp's rpc-server --cache)")
+    parser.add_argument("--allow-network", action="store_true",
+                        help="allow a --host other than loopback: anyone who reaches the "
+                             "port can use this machine's memory and CPU")
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error("--port must be from 1 to 65535")
+    return rpc.run_worker(args.host, args.port, args.threads, args.cache_dir,
+                          args.allow_network)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["service"]:
         from ..service.cli import main as service_main
         return service_main(argv[1:])
+    if argv[:1] == ["rpc-worker"]:
+        return rpc_worker_main(argv[1:])
     argv, file_lines = llama_compat.config_argv(argv, build_parser())
     argv, env_lines = llama_compat.env_argv(argv, dict(os.environ))
     args = build_parser().parse_args(argv)
