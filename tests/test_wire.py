@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bmoe.http.errors import HTTPError
-from bmoe.server import anthropic, openai_chat, responses, wire
+from bmoe.server import anthropic, completions, openai_chat, responses, wire
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "clients").glob("*.json"))
 DECODE = {"/v1/messages": anthropic.decode, "/v1/responses": responses.decode,
@@ -201,3 +201,31 @@ def test_field_path_skips_union_labels() -> None:
            "list[tagged-union[C,D]]", 1, "type=image", "source", "ImageSource", "data", "str")
     assert wire.field_path(loc) == "messages[2].content[1].source.data"
     assert wire.field_path((), "values.x") == "values.x"
+
+
+@pytest.mark.parametrize("body,said", [
+    ({"prompt": "x", "top_p": 2}, "`top_p` must be between 0 and 1."),
+    ({"prompt": "x", "temperature": "hot"}, "`temperature` must be a finite number."),
+    ({"prompt": "x", "temperature": float("inf")}, "`temperature` must be a finite number."),
+    ({"prompt": "x", "top_k": True}, "`top_k` must be an integer."),
+    ({"prompt": "x", "n_probs": 101}, "`n_probs` must be between 0 and 100."),
+    ({"prompt": "x", "n_predict": 2.5}, "`n_predict` must be an integer."),
+    ({"prompt": "x", "json_schema": True}, "`json_schema` must be a JSON object schema"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}},
+     "`stream_options.include_usage` must be true or false."),
+])
+def test_completion_fields(body: dict[str, Any], said: str) -> None:
+    with pytest.raises(HTTPError) as info:
+        completions.decode_completion(body)
+    assert info.value.status == 400 and info.value.message.startswith(said)
+
+
+def test_completion_sampling_reads_the_model() -> None:
+    req = completions.decode_completion({"prompt": "x", "top_k": 7.0, "seed": 5, "n_predict": 3.0,
+                                         "temperature": 0})
+    assert req.sampling is not None and (req.sampling.top_k, req.sampling.seed) == (7, 5)
+    assert req.sampling.temperature == 0.0 and req.sampling.top_p == 0.95
+    assert req.max_tokens == 3
+    with pytest.raises(HTTPError, match="`best_of` above 1 is not supported"):
+        completions.decode_openai({"prompt": "x", "best_of": 2})
+    assert completions.decode_openai({"prompt": "x", "max_tokens": 4}).max_tokens == 4

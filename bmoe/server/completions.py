@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import StrictBool, StrictStr
 
@@ -59,9 +59,23 @@ class CompletionBody(wire.Wire):
     cache_prompt: StrictBool | None = None
     return_tokens: StrictBool | None = None
     post_sampling_probs: StrictBool | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: wire.StreamOptions | None = None
     echo: StrictBool | None = None
     suffix: StrictStr | None = None
+    # sampling, at llama-server's defaults when absent (`read_sampling`)
+    temperature: Annotated[Any, wire.Number()] = None
+    top_k: Annotated[Any, wire.Integer(-(2**31), I32_MAX)] = None
+    top_p: Annotated[Any, wire.Number(0.0, 1.0)] = None
+    min_p: Annotated[Any, wire.Number(0.0, 1.0)] = None
+    repeat_penalty: Annotated[Any, wire.Number(1e-6, 1e6)] = None
+    repeat_last_n: Annotated[Any, wire.Integer(-1, I32_MAX)] = None
+    presence_penalty: Annotated[Any, wire.Number(-1e6, 1e6)] = None
+    frequency_penalty: Annotated[Any, wire.Number(-1e6, 1e6)] = None
+    seed: Annotated[Any, wire.Integer(-1, 2**32 - 1)] = None
+    n_probs: Annotated[Any, wire.Integer(0, N_PROBS_MAX)] = None
+    n_predict: Annotated[Any, wire.Integer(-1, I32_MAX)] = None
+    max_tokens: Annotated[Any, wire.Integer(-1, I32_MAX)] = None
+    best_of: Annotated[Any, wire.Integer(1, I32_MAX)] = None
 
 
 # Fields llama-server has and bmoe does not: refused when they ask for anything
@@ -70,31 +84,6 @@ _OFF = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability
         "top_n_sigma": -1.0, "dynatemp_range": 0.0, "n_keep": 0, "n_discard": 0,
         "t_max_predict_ms": 0, "n_indent": 0}
 _EMPTY = ("image_data", "multimodal_data", "lora", "samplers")
-
-
-def _number(body: dict[str, Any], name: str, default: float, lo: float = -math.inf,
-            hi: float = math.inf) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid_request(f"`{name}` must be a finite number.")
-    if not lo <= value <= hi:
-        raise invalid_request(f"`{name}` must be between {lo:g} and {hi:g}.")
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_request(f"`{name}` must be an integer.")
-    if not lo <= value <= hi:
-        raise invalid_request(f"`{name}` must be between {lo} and {hi}.")
-    return value
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -205,23 +194,25 @@ def read_stop(value: Any) -> tuple[str, ...]:
     return tuple(w for w in words if w)
 
 
-def read_sampling(body: dict[str, Any]) -> Sampling:
+def read_sampling(body: dict[str, Any], parsed: CompletionBody) -> Sampling:
     """The request's sampling at llama-server's defaults (400 naming a bad field)."""
-    seed = _integer(body, "seed", -1, -1, 2**32 - 1)
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+    seed = given(parsed.seed, -1)
     return Sampling(
-        temperature=_number(body, "temperature", 0.8),
-        top_k=_integer(body, "top_k", 40, -(2**31), I32_MAX),
-        top_p=_number(body, "top_p", 0.95, 0.0, 1.0),
-        min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
-        repeat_penalty=_number(body, "repeat_penalty", 1.0, 1e-6, 1e6),
-        repeat_last_n=_integer(body, "repeat_last_n", 64, -1, I32_MAX),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -1e6, 1e6),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -1e6, 1e6),
+        temperature=given(parsed.temperature, 0.8),
+        top_k=given(parsed.top_k, 40),
+        top_p=given(parsed.top_p, 0.95),
+        min_p=given(parsed.min_p, 0.05),
+        repeat_penalty=given(parsed.repeat_penalty, 1.0),
+        repeat_last_n=given(parsed.repeat_last_n, 64),
+        presence_penalty=given(parsed.presence_penalty, 0.0),
+        frequency_penalty=given(parsed.frequency_penalty, 0.0),
         seed=SEED_RANDOM if seed == -1 else seed,
-        ignore_eos=bool(body.get("ignore_eos")),
+        ignore_eos=bool(parsed.ignore_eos),
         logit_bias=read_logit_bias(body.get("logit_bias")),
-        n_probs=_integer(body, "n_probs", 0, 0, N_PROBS_MAX),
-        stop=read_stop(body.get("stop")),
+        n_probs=given(parsed.n_probs, 0),
+        stop=read_stop(parsed.stop),
     )
 
 
@@ -234,9 +225,10 @@ def decode_completion(body: dict[str, Any], budget_field: str = "n_predict",
     if parsed.post_sampling_probs:
         raise invalid_request("`post_sampling_probs` is not supported: `n_probs` reports the "
                               "model's own probabilities.")
-    prompt = read_prompt(body.get("prompt"))
-    sampling = read_sampling(body)
-    n_predict = _integer(body, budget_field, default_budget, -1, I32_MAX)
+    prompt = read_prompt(parsed.prompt)
+    sampling = read_sampling(body, parsed)
+    n_predict = getattr(parsed, budget_field)
+    n_predict = default_budget if n_predict is None else n_predict
     if n_predict == 0:
         raise invalid_request(f"`{budget_field}` 0 is not supported: ask for at least one "
                               "token, or -1 for no limit but the context.")
@@ -255,15 +247,15 @@ def decode_openai(body: dict[str, Any], default_budget: int = -1) -> TurnRequest
         raise invalid_request("`echo` is not supported: the answer holds the completion only.")
     if parsed.suffix:
         raise invalid_request("`suffix` is not supported.")
-    if _integer(body, "best_of", 1, 1, 1) != 1:
+    if (parsed.best_of or 1) != 1:
         raise invalid_request("`best_of` above 1 is not supported.")
     if body.get("logprobs") is not None:
         raise invalid_request("`logprobs` is not supported on /v1/completions; use "
                               "`n_probs` on /completion.")
-    prompt = body.get("prompt")
+    prompt = parsed.prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise invalid_request("`prompt` holds several prompts; send one prompt a request.")
-    if body.get("n_predict") is None and body.get("max_tokens") is not None:
+    if parsed.n_predict is None and parsed.max_tokens is not None:
         return decode_completion(body, "max_tokens", default_budget)
     return decode_completion(body, "n_predict", default_budget)
 
@@ -551,8 +543,7 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
 async def openai_completion(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode_openai(body, server_budget(state))
-    opts = body.get("stream_options") or {}
-    include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked
     n = choices.read_n(body)
     reqs = choices.seeded(req, n, req.sampling or Sampling())
     tally = choices.Tally()

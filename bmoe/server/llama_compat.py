@@ -395,11 +395,14 @@ def _render(session: Session, req: Any, with_ids: bool) -> dict[str, Any]:
     return out
 
 
+class TemplateFlags(wire.Wire):
+    """`/apply-template` reads a chat body (`openai_chat.decode`) and this flag."""
+    return_prompt_ids: StrictBool | None = None
+
+
 async def apply_template(state: ServerState, request: Request) -> Response:
     body = request.json_object()
-    flag = body.get("return_prompt_ids")
-    if flag is not None and not isinstance(flag, bool):
-        raise invalid_request("`return_prompt_ids` must be true or false.")
+    flag = wire.parse(TemplateFlags, body).return_prompt_ids
     req = openai_chat.decode(body, state.config)
     return Response.json(await on_engine(state, _render, req, bool(flag)))
 

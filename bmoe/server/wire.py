@@ -22,6 +22,7 @@ whether an image's bytes are an image, a part this server knows but does not tak
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
@@ -111,6 +112,35 @@ def token_budget(value: Any) -> int | None:
     if value < 0:
         raise _problem("must be a non-negative integer")
     return int(value)
+
+
+def Number(lo: float = -math.inf, hi: float = math.inf) -> AfterValidator:  # noqa: N802
+    """A finite number in [lo, hi] (null stays null): `Annotated[Any, Number(0, 1)]`."""
+    def check(value: Any) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise _problem("must be a finite number")
+        if not lo <= value <= hi:
+            raise _problem(f"must be between {lo:g} and {hi:g}")
+        return float(value)
+    return AfterValidator(check)
+
+
+def Integer(lo: int, hi: int) -> AfterValidator:  # noqa: N802
+    """An integer in [lo, hi] (an integral float is one; null stays null)."""
+    def check(value: Any) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _problem("must be an integer")
+        if not lo <= value <= hi:
+            raise _problem(f"must be between {lo} and {hi}")
+        return value
+    return AfterValidator(check)
 
 
 Schema = Annotated[Any, AfterValidator(_schema)]
