@@ -59,9 +59,10 @@ def _app() -> HttpApp:
 
     routes = RouteTable()
     routes.add("GET", "/api/info", ok)
-    routes.add("DELETE", "/api/models/local/{name}", ok)
-    routes.add("POST", "/api/models/url", ok)
-    routes.add("GET", "/api/backends", ok)
+    routes.add("DELETE", "/api/models/local/{name}", ok, local_only=True)
+    routes.add("POST", "/api/models/url", ok, local_only=True)
+    routes.add("GET", "/api/backends", ok, local_only=True)
+    routes.add("GET", "/api/models", ok)
     routes.add("POST", "/v1/chat/completions", ok)
     return HttpApp(routes, AccessPolicy(HOST_IP, api_key=KEY))
 
@@ -90,7 +91,8 @@ def test_network_peer(namespace: str) -> None:
                 _raw("DELETE", "/api/models/local/m.gguf", at, body=True),     # local only
                 _raw("POST", "/api/models/url", at, body=True),
                 _raw("GET", "/api/backends", at),
-                _raw("GET", "/api/workspaces", at),                            # local only, no route yet
+                _raw("GET", "/api/models", at),                                # not flagged: open
+                _raw("GET", "/api/workspaces", at),                            # no such route
             ]
             result = await trio.run_process(
                 ["ip", "netns", "exec", namespace, sys.executable, "-c", CLIENT, HOST_IP, str(port),
@@ -100,7 +102,7 @@ def test_network_peer(namespace: str) -> None:
 
     assert trio.run(main) == [[401, "unauthorized"], [200, "ok"], [200, "ok"], [200, "ok"],
                               [403, "local_only"], [403, "local_only"], [403, "local_only"],
-                              [403, "local_only"]]
+                              [200, "ok"], [404, "not_found"]]
 
 
 @pytest.mark.parametrize("tricklers", [40, 200])
