@@ -45,9 +45,9 @@ export class ToolsView {
   }
 
   section(key, title, help, ...children) {
-    return h('section', { class: 'group tools-section', id: `tools-${key}`, 'aria-labelledby': `tools-${key}-title` },
-      h('h3', { class: 'group-title', id: `tools-${key}-title`, tabindex: '-1', text: title }),
-      h('p', { class: 'group-help', text: help }), ...children);
+    return h('section', { class: 'tools-section', id: `tools-${key}`, 'aria-labelledby': `tools-${key}-title` },
+      h('h3', { class: 'tools-title', id: `tools-${key}-title`, tabindex: '-1', text: title }),
+      h('p', { class: 'tools-help', text: help }), ...children);
   }
 
   jump(key) {
