@@ -173,24 +173,6 @@ def convert_tools(raw: list[wire.ClientTool | wire.ServerTool] | None) -> list[d
     return out or None
 
 
-def tool_choice(raw: wire.MessagesChoice | None,
-                tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
-    """("auto"|"none"|"required", the named tool or None)."""
-    if raw is None:
-        return "auto", None
-    if raw.type in ("auto", "none"):
-        return raw.type, None
-    if not tools:
-        raise invalid_request(f"`tool_choice` {raw.type!r} needs `tools`.")
-    if raw.type == "any":
-        return "required", None
-    if raw.name is None:
-        raise invalid_request("`tool_choice.name` is required: the tool to call.")
-    if raw.name not in {t["function"]["name"] for t in tools}:
-        raise invalid_request(f"`tool_choice.name` {raw.name!r} is not among `tools`.")
-    return "required", raw.name
-
-
 def _output_schema(raw: wire.OutputConfig | None) -> dict[str, Any] | None:
     if raw is None or raw.format is None:
         return None
@@ -204,7 +186,10 @@ def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ImageSet]
     parsed = wire.parse(wire.MessagesBody, body)
     messages, images = convert_messages(parsed)
     tools = convert_tools(parsed.tools)
-    choice, named = tool_choice(parsed.tool_choice, tools)
+    raw = parsed.tool_choice           # "any" is OpenAI's "required"; "tool" names one
+    choice, named = chatreq.tool_choice(
+        None if raw is None else ("required" if raw.type == "any" else raw.type),
+        raw.name if isinstance(raw, wire.MessagesNamedChoice) else None, tools)
     think = None if parsed.thinking is None else parsed.thinking.type != "disabled"
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=chatreq.budget(parsed.max_tokens, "max_tokens", config.values),

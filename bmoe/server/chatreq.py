@@ -92,6 +92,21 @@ def function_tool(name: str, description: str | None,
         "parameters": parameters or {"type": "object", "properties": {}}}}
 
 
+def tool_choice(kind: str | None, name: str | None,
+                tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    """("auto"|"none"|"required", the one tool the call must name or None), from a
+    protocol's choice: `kind` ("auto", "none", "required"; None is "auto") or a `name`."""
+    if name is not None:
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise invalid_request(f"`tool_choice` names {name!r}, which is not among the "
+                                  "function `tools`.")
+        return "required", name
+    if kind == "required" and not tools:
+        raise invalid_request("`tool_choice` asks for a tool call, but there are no function "
+                              "`tools` to call.")
+    return kind or "auto", None
+
+
 def checked(req: TurnRequest, required_hint: str = "") -> TurnRequest:
     """`req`, unless its choices cannot hold together (400 invalid_request)."""
     problem = req.conflict()

@@ -86,28 +86,16 @@ def convert_tools(raw: list[wire.ChatTool] | None) -> list[dict[str, Any]] | Non
     return out or None
 
 
-def tool_choice(raw: str | wire.ChatNamedChoice | None,
-                tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
-    """("auto"|"none"|"required", the named function or None)."""
-    if raw is None:
-        return "auto", None
-    if isinstance(raw, str):
-        if raw == "required" and not tools:
-            raise invalid_request("`tool_choice` \"required\" needs `tools`.")
-        return raw, None
-    name = raw.function.name
-    if not tools or name not in {t["function"]["name"] for t in tools}:
-        raise invalid_request(f"`tool_choice` names {name!r}, which is not among `tools`.")
-    return "required", name
-
-
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a chat body asks for (400 invalid_request naming the field otherwise)."""
     values = config.values
     parsed = wire.parse(wire.ChatBody, body)
     messages, images = convert_messages(parsed.messages)
     tools = convert_tools(parsed.tools)
-    choice, named = tool_choice(parsed.tool_choice, tools)
+    raw = parsed.tool_choice
+    choice, named = chatreq.tool_choice(raw if isinstance(raw, str) else None,
+                                        None if raw is None or isinstance(raw, str)
+                                        else raw.function.name, tools)
     kwargs = parsed.chat_template_kwargs
     think = chatreq.thinking(values, config.user_keys, think=parsed.think,
                              enable_thinking=kwargs.enable_thinking if kwargs else None,

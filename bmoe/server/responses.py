@@ -167,21 +167,6 @@ def convert_tools(raw: list[Any] | None) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def tool_choice(raw: str | wire.ResponsesNamedChoice | None,
-                tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
-    """("auto"|"none"|"required", the named function or None)."""
-    if raw is None:
-        return "auto", None
-    if isinstance(raw, str):
-        if raw == "required" and not tools:
-            raise invalid_request("`tool_choice` \"required\" needs function `tools`.")
-        return raw, None
-    if not tools or raw.name not in {t["function"]["name"] for t in tools}:
-        raise invalid_request(f"`tool_choice` names {raw.name!r}, which is not among the "
-                              "function `tools`.")
-    return "required", raw.name
-
-
 def _text_schema(raw: wire.TextConfig | None) -> dict[str, Any] | None:
     kind = raw.format.type if raw is not None and raw.format is not None else None
     if kind is None or kind == "text" or raw is None or raw.format is None:
@@ -207,7 +192,10 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     refuse_state(parsed)
     messages, images = convert_input(parsed)
     tools = convert_tools(parsed.tools)
-    choice, named = tool_choice(parsed.tool_choice, tools)
+    raw = parsed.tool_choice
+    choice, named = chatreq.tool_choice(raw if isinstance(raw, str) else None,
+                                        None if raw is None or isinstance(raw, str)
+                                        else raw.name, tools)
     effort = parsed.reasoning.effort if parsed.reasoning is not None else None
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=chatreq.budget(parsed.max_output_tokens, "max_output_tokens",

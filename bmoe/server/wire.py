@@ -459,9 +459,19 @@ MessagesTool = Annotated[Annotated[ClientTool, Tag("type=custom")]
                          tagged(default=lambda _: "custom", only=("custom",))]
 
 
-class MessagesChoice(Wire):
-    type: Literal["auto", "any", "tool", "none"]
-    name: StrictStr | None = None
+class MessagesKindChoice(Wire):
+    type: Literal["auto", "any", "none"]
+
+
+class MessagesNamedChoice(Wire):
+    type: Literal["tool"]
+    name: StrictStr
+
+
+MessagesChoice = Annotated[Annotated[MessagesKindChoice, Tag("type=auto")]
+                           | Annotated[MessagesKindChoice, Tag("type=any")]
+                           | Annotated[MessagesKindChoice, Tag("type=none")]
+                           | Annotated[MessagesNamedChoice, Tag("type=tool")], tagged()]
 
 
 class ThinkingConfig(Wire):
