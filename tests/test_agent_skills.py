@@ -141,6 +141,11 @@ def test_a_skill_is_read_by_the_agent(agent_server: ServerProcess,  # noqa: F811
 
     status, listing = api(srv, "GET", "/api/skills")
     assert "release-notes" in [s["name"] for s in listing["skills"]]
+    status, one = api(srv, "GET", "/api/skills/release-notes")
+    assert status == 200 and one["body"].startswith("Write them as a bulleted list")
+    assert one["files"] == ["template.md"] and one["source"] == "person"
+    assert api(srv, "GET", "/api/skills/no-such-skill")[0] == 404
+    assert api(srv, "GET", "/api/skills/..%2Fup")[0] in (400, 404)
     status, _ = api(srv, "PUT", "/api/skills/release-notes", {"description": "Changed."})
     assert status == 200
     status, out = api(srv, "DELETE", "/api/skills/release-notes")

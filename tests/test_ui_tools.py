@@ -92,9 +92,11 @@ def _skills(w: Watched, srv: ServerProcess, wid: str) -> None:
     p.click("#skill-save")
     w.wait("() => document.querySelector('#skill-error').textContent.startsWith(\"A skill's name is\")",
            "the invalid name refused")
-    # edit: a new description, the body kept when its box is left empty
+    # edit: the instructions are read into the box; a new description, the body kept
     p.click("#skill-list [data-skill=release-notes] button[aria-label='Edit release-notes']")
     assert p.is_disabled("#skill-name")
+    w.wait("() => document.querySelector('#skill-body').value.includes('newest first')",
+           "the skill's instructions loaded for editing")
     p.fill("#skill-description", "Use for a changelog.")
     p.click("#skill-save")
     w.wait("() => document.querySelector('#skill-list [data-skill=release-notes] .tools-desc')"

@@ -471,6 +471,17 @@ async def list_skills(svc: AgentService, request: Request) -> Response:
     return Response.json({"skills": await trio.to_thread.run_sync(svc.skills.listing)})
 
 
+async def get_skill(svc: AgentService, request: Request) -> Response:
+    require_local(request)
+    try:
+        detail = await trio.to_thread.run_sync(svc.skills.detail, request.path_params["name"])
+    except skills.SkillError as e:
+        raise _skill_error(e) from None
+    except OSError:
+        raise HTTPError(404, "not_found", "That skill's SKILL.md cannot be read.") from None
+    return Response.json(detail)
+
+
 async def create_skill(svc: AgentService, request: Request) -> Response:
     require_local(request)
     body = wire.parse(SkillBody, request.json_object())
@@ -619,6 +630,7 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("DELETE", "/api/providers/{id}", delete_provider, True),
     ("GET", "/api/skills", list_skills, True),
     ("POST", "/api/skills", create_skill, True),
+    ("GET", "/api/skills/{name}", get_skill, True),
     ("PUT", "/api/skills/{name}", change_skill, True),
     ("DELETE", "/api/skills/{name}", delete_skill, True),
     ("GET", "/api/tasks", list_tasks, True),

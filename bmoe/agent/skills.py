@@ -133,6 +133,16 @@ class SkillStore:
     def listing(self) -> list[dict[str, Any]]:
         return [s.entry() for s in sorted(self.scan().values(), key=lambda s: s.name)]
 
+    def detail(self, name: str) -> dict[str, Any]:
+        """One skill's entry with its instructions (the body of its SKILL.md) and its
+        files, for a person who edits it."""
+        check_name(name)
+        skill = self.scan().get(name)
+        if skill is None:
+            raise SkillError(f"There is no skill named {name}.", "not_found")
+        _, body = _read_skill_md(skill.folder / "SKILL.md")
+        return {**skill.entry(), "body": body, "files": _files(skill.folder)}
+
     def enabled(self, names: list[str]) -> list[Skill]:
         known = self.scan()
         return [known[n] for n in names if n in known]

@@ -133,12 +133,25 @@ export class ToolsView {
     this.skillName.disabled = Boolean(skill);
     this.skillDesc.value = skill ? skill.description : '';
     this.skillBody.value = '';
-    this.skillBody.placeholder = skill ? 'Leave empty to keep the instructions as they are; anything written here replaces them.' : 'What the agent should do, step by step.';
+    this.skillBody.placeholder = skill ? 'Leave empty to keep the instructions as they are.' : 'What the agent should do, step by step.';
     this.skillFormTitle.textContent = skill ? `Edit ${skill.name}` : 'New skill';
     this.skillSave.textContent = skill ? 'Save changes' : 'Create skill';
     this.skillCancel.hidden = !skill;
     this.skillError.hidden = true;
-    if (skill) this.skillDesc.focus();
+    if (skill) {
+      this.skillDesc.focus();
+      this.loadSkillBody(skill);
+    }
+  }
+
+  // The instructions of the skill being edited, into the box (the list carries none).
+  async loadSkillBody(skill) {
+    try {
+      const detail = await this.api.json('GET', `/api/skills/${encodeURIComponent(skill.name)}`);
+      if (this.editingSkill === skill && !this.skillBody.value) this.skillBody.value = detail.body || '';
+    } catch (e) {
+      if (this.editingSkill === skill) this.showSkillError(e.message);
+    }
   }
 
   async saveSkill() {
