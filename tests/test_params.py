@@ -25,7 +25,7 @@ EXPECTED_ROWS = [
     "threads-batch", "trial-threads", "trial-overlap", "temp", "top-k", "top-p", "seed",
     "moe-stream", "io-threads", "o-direct",
     "prefetch", "spec-gate", "overlap", "cache-mb", "cache-policy",
-    "cache-floor-mb", "cache-ceil-mb", "dense-weights", "force-cache", "load-all",
+    "cache-floor-mb", "cache-ceil-mb", "dense-weights", "rpc", "force-cache", "load-all",
     "decide"]
 
 
@@ -45,6 +45,8 @@ def other_value(p: Param) -> Any:
         return not p.default
     if p.type == "choice":
         return next(c.value for c in p.choices if c.value != p.default)
+    if p.key == "rpc":
+        return "10.0.0.2:50052,10.0.0.3:50052"
     if p.type in ("path", "text"):
         return "/models/some model.gguf"
     if p.type == "float":

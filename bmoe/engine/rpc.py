@@ -195,8 +195,20 @@ def _libdir() -> Path:
     return Path(lc.__file__).parent / "lib"
 
 
+def _loaded(name: str) -> ctypes.CDLL:
+    """The copy of llama_cpp/lib/`name` this process already runs. The wheel ships
+    libggml.so and libggml.so.0 as two files: opening the other one would give a second
+    ggml, with its own abort callback and backend registry."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if str(_libdir()) in line}
+    for path in sorted(paths):
+        if Path(path).name in (name, name + ".0"):
+            return ctypes.CDLL(path)
+    return ctypes.CDLL(str(_libdir() / (name + ".0")))
+
+
 def _ggml() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(_libdir() / "libggml.so"))
+    lib = _loaded("libggml.so")
     lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
     lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
     lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
@@ -328,7 +340,8 @@ class RpcDevices:
         self.split = split
 
     def decode(self, ctx: Any, batch: Any) -> int:
-        """llama_decode under the guard; a lost helper raises EngineError (and fails us)."""
+        """llama_decode and llama_synchronize under the guard; a lost helper raises
+        EngineError (and fails us)."""
         if self.failed:
             raise EngineError("failed", self.failed)
         rc = self._guard.decode(ctx, batch)
@@ -410,11 +423,12 @@ class _Guard:
         lib = _Guard._lib
         self.lib = lib
         self.jumped = lib.bmoe_rpcguard_jumped_code()
-        llama = ctypes.CDLL(str(_libdir() / "libllama.so"))
+        llama = _loaded("libllama.so")
         self._decode = ctypes.cast(llama.llama_decode, ctypes.c_void_p)
+        self._sync = ctypes.cast(llama.llama_synchronize, ctypes.c_void_p)
 
     def decode(self, ctx: Any, batch: Any) -> int:
-        return int(self.lib.bmoe_rpcguard_decode(self._decode, ctx, batch))
+        return int(self.lib.bmoe_rpcguard_decode(self._decode, self._sync, ctx, batch))
 
     def message(self) -> str:
         out = ctypes.create_string_buffer(1024)
@@ -430,10 +444,11 @@ def _load_guard() -> ctypes.CDLL:
                         "(bmoe/native/rpcguard.c) needs updating.")
     lib = ctypes.CDLL(rpcguard.__file__)
     lib.bmoe_rpcguard_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    lib.bmoe_rpcguard_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, lc.llama_batch]
+    lib.bmoe_rpcguard_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                         lc.llama_batch]
     lib.bmoe_rpcguard_decode.restype = ctypes.c_int32
     lib.bmoe_rpcguard_message.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    ggml_base = ctypes.CDLL(str(_libdir() / "libggml-base.so"))
+    ggml_base = _loaded("libggml-base.so")
     set_abort = ctypes.cast(ggml_base.ggml_set_abort_callback, ctypes.c_void_p)
     omp: int | None = None
     try:

@@ -23,7 +23,7 @@
  * model would join that thread. Python marks the session failed and leaks it.
  *
  * No llama.cpp or ggml header is included and nothing is linked: Python passes the
- * addresses of ggml_set_abort_callback and llama_decode (resolved in the loaded
+ * addresses of ggml_set_abort_callback, llama_decode and llama_synchronize (in the loaded
  * libraries) and of omp_in_parallel (NULL if the CPU backend has no OpenMP).
  */
 
@@ -51,6 +51,7 @@ typedef struct {
 } batch_t;
 
 typedef int32_t (*decode_fn)(void *ctx, batch_t batch);
+typedef void (*sync_fn)(void *ctx);
 typedef void (*abort_cb)(const char *message);
 typedef abort_cb (*set_abort_fn)(abort_cb cb);
 typedef int (*in_parallel_fn)(void);
@@ -139,8 +140,11 @@ int bmoe_rpcguard_install(void *set_abort, void *omp_in_parallel, int sig) {
     return 0;
 }
 
-/* llama_decode(ctx, batch) under the guard: its return code, or GUARD_JUMPED. */
-int32_t bmoe_rpcguard_decode(void *decode, void *ctx, batch_t batch) {
+/* llama_decode(ctx, batch) then llama_synchronize(ctx) under the guard: the decode's
+ * return code, or GUARD_JUMPED. The synchronize is part of it because llama_decode
+ * returns with the helpers' work still queued: the engine thread would otherwise wait for
+ * it later, unguarded, in llama_get_logits. */
+int32_t bmoe_rpcguard_decode(void *decode, void *sync, void *ctx, batch_t batch) {
     engine_thread = pthread_self();
     atomic_store(&jumped, 0);
     if (sigsetjmp(jump_env, 1) != 0) {
@@ -148,6 +152,7 @@ int32_t bmoe_rpcguard_decode(void *decode, void *ctx, batch_t batch) {
     }
     atomic_store(&armed, 1);
     int32_t rc = ((decode_fn)decode)(ctx, batch);
+    ((sync_fn)sync)(ctx);
     atomic_store(&armed, 0);
     return rc;
 }

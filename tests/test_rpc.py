@@ -1,0 +1,245 @@
+"""More than one machine: llama.cpp's RPC backend through `--rpc` and `rpc-worker`.
+
+Each "machine" is a `bmoe-server rpc-worker` process in its own cgroup-v1 memory cap (and,
+for the network path, its own network namespace behind a veth pair). The model is one the
+project writes; the answer with helpers must be token for token the single-process one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from bmoe.engine import rpc
+from bmoe.modelmaker import make_model
+
+from _netns import veth_namespace
+from conftest import start_server
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+WORKER_CAP = 256 << 20          # each helper "machine": far more than its layers need
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 17 MB of weights, most of them in the 4 layers the helpers take."""
+    return make_model(tmp_path_factory.mktemp("rpc") / "rpc-moe.gguf", n_layer=4,
+                      n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8,
+                      n_expert_used=2, n_ff_exp=256, seed=3)
+
+
+def _own_memory_cgroup() -> Path:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return CGROUP_V1 / path.lstrip("/")
+    pytest.skip("no cgroup-v1 memory controller")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    def __init__(self, proc: subprocess.Popen[bytes], endpoint: rpc.Endpoint,
+                 cgroup: Path) -> None:
+        self.proc = proc
+        self.endpoint = endpoint
+        self.cgroup = cgroup
+
+    def memory(self) -> int:
+        """Bytes in use now; resets the cgroup's peak to it."""
+        (self.cgroup / "memory.max_usage_in_bytes").write_text("0")
+        return int((self.cgroup / "memory.usage_in_bytes").read_text())
+
+    def peak(self) -> int:
+        return int((self.cgroup / "memory.max_usage_in_bytes").read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@contextmanager
+def worker(tag: str, *, host: str = "127.0.0.1", netns: str | None = None,
+           extra: tuple[str, ...] = (), port: int = 0) -> Iterator[Worker]:
+    """An rpc-worker in its own memory cgroup (and namespace), until the block ends."""
+    if os.geteuid() != 0:
+        pytest.skip("memory cgroups need root")
+    cgroup = _own_memory_cgroup() / f"bmoe-rpc-{tag}-{os.getpid()}"
+    cgroup.mkdir(exist_ok=True)
+    (cgroup / "memory.limit_in_bytes").write_text(str(WORKER_CAP))
+    port = port or _free_port()
+    cmd = [sys.executable, "-m", "bmoe.server", "rpc-worker", "--host", host,
+           "--port", str(port), "--threads", "1", *extra]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    procs = str(cgroup / "cgroup.procs")
+
+    def enter() -> None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    proc = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    w = Worker(proc, rpc.Endpoint(host, port), cgroup)
+    try:
+        rpc.wait_for_worker(w.endpoint, 60)
+        yield w
+    finally:
+        w.kill()
+        if proc.stderr is not None:
+            proc.stderr.close()
+        for _ in range(50):
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def _cli(model: Path, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "bmoe.cli", "-m", str(model), "-p",
+                          "The river ran past the old mill and", "--n-predict", "24",
+                          "--threads", "1", "--no-moe-stream", "--progress", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _tokens(stdout: str) -> list[str]:
+    """The answer after each token (the telemetry contract's BMOE_PROGRESS lines)."""
+    return [json.loads(line.split(" ", 1)[1])["text"] for line in stdout.splitlines()
+            if line.startswith("BMOE_PROGRESS ")]
+
+
+# --- parsing, refusals ------------------------------------------------------------------
+
+def test_endpoints_are_parsed_and_bad_ones_refused() -> None:
+    assert rpc.parse_endpoints(" 10.0.0.2:50052, host-b:7 ") == (
+        rpc.Endpoint("10.0.0.2", 50052), rpc.Endpoint("host-b", 7))
+    for bad in ("10.0.0.2", "a:0", "a:70000", "a:1,a:1", "::1:5"):
+        with pytest.raises(ValueError):
+            rpc.parse_endpoints(bad)
+    assert rpc.spelling(rpc.Endpoint("h", 5)) == "h:5"
+
+
+def test_worker_refuses_a_network_address_without_allow_network() -> None:
+    out = subprocess.run([sys.executable, "-m", "bmoe.server", "rpc-worker", "--host",
+                          "0.0.0.0", "--port", str(_free_port())],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--allow-network" in out.stderr and "unauthenticated" in out.stderr
+
+
+def test_unreachable_helper_is_refused_by_address(tmp_path: Path, split_model: Path) -> None:
+    dead = f"127.0.0.1:{_free_port()}"
+    with worker("alive") as w:
+        srv = start_server(tmp_path, "-m", str(split_model), "--rpc", f"{w.endpoint},{dead}")
+        try:
+            info = srv.wait_state("error", "ready")
+            assert info["state"] == "error"
+            text = json.dumps(info)
+            assert dead in text and "cannot be reached" in text
+            assert str(w.endpoint) not in text.split("cannot be reached", 1)[1]
+            assert srv.proc.poll() is None                       # the server is up
+        finally:
+            srv.stop()
+    out = subprocess.run([sys.executable, "-m", "bmoe.cli", "-m", str(split_model), "-p", "x",
+                          "--rpc", dead], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and dead in out.stdout + out.stderr
+
+
+# --- the same answer, token for token ---------------------------------------------------
+
+def test_two_capped_workers_give_the_single_process_tokens(split_model: Path) -> None:
+    alone = _tokens(_cli(split_model))
+    assert len(alone) == 24
+    with worker("a") as a, worker("b") as b:
+        before = a.memory(), b.memory()
+        split = _tokens(_cli(split_model, "--rpc", f"{a.endpoint},{b.endpoint}"))
+        held = a.peak() - before[0], b.peak() - before[1]
+    assert split == alone
+    # Each helper held its layers (about 2 of the 4 layers' ~16 MB each) in its own memory.
+    weights = split_model.stat().st_size
+    assert all(h > weights * 0.2 for h in held), (held, weights)
+
+
+def test_worker_in_a_network_namespace_over_veth(split_model: Path) -> None:
+    alone = _tokens(_cli(split_model))
+    with veth_namespace("rpc", "10.213.7") as peer:
+        with worker("ns", host=peer.ns_ip, netns=peer.ns, extra=("--allow-network",)) as w:
+            held0 = w.memory()
+            split = _tokens(_cli(split_model, "--rpc", str(w.endpoint)))
+            held = w.peak() - held0
+    assert split == alone
+    assert held > split_model.stat().st_size * 0.5      # every layer went to the helper
+
+
+# --- a helper lost in the middle of a turn ----------------------------------------------
+
+def _stream_until_killed(url: str, victim: Worker) -> tuple[int, str]:
+    """Stream a long answer; kill `victim` after a few tokens; (tokens seen, tail)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell a long story"}],
+                       "max_tokens": 4000, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    seen, tail = 0, ""
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            tail = line
+            if '"content"' in line:
+                seen += 1
+                if seen == 5:
+                    victim.kill()
+    return seen, tail
+
+
+def test_worker_killed_mid_turn_ends_the_turn_and_the_server_stays_up(
+        tmp_path: Path, split_model: Path) -> None:
+    with worker("k1") as a, worker("k2") as b:
+        srv = start_server(tmp_path, "-m", str(split_model), "--rpc",
+                           f"{a.endpoint},{b.endpoint}", "-c", "8192")
+        try:
+            assert srv.info()["state"] == "ready"
+            seen, tail = _stream_until_killed(srv.url, b)
+            assert 5 <= seen < 4000
+            assert "stopped answering" in tail and str(b.endpoint) in tail, tail
+            assert srv.proc.poll() is None
+            status, _, info = srv.request("GET", "/api/info")
+            assert status == 200
+            # The next turn is refused with the same sentence until a reload.
+            status, _, body = srv.request("POST", "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "again"}], "max_tokens": 4})
+            assert status >= 400 and "loaded again" in json.dumps(body)
+            # A helper back on the same address: the reload reaches it afresh (not
+            # ggml-rpc's dead connection), and the other helper serves again.
+            with worker("k3", port=b.endpoint.port):
+                status, _, _ = srv.request("POST", "/api/session/load",
+                                           {"model": str(split_model)})
+                assert status == 202
+                assert srv.wait_state("ready", "error")["state"] == "ready"
+                status, _, body = srv.request("POST", "/v1/chat/completions", {
+                    "messages": [{"role": "user", "content": "again"}], "max_tokens": 4})
+                assert status == 200, body
+                assert body["usage"]["completion_tokens"] >= 1
+        finally:
+            srv.stop()
