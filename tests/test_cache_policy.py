@@ -20,22 +20,23 @@ def test_reuse_table_and_chances_by_hand() -> None:
     c = ExpertCache(np.array([1]), n_expert=2, budget=2, policy="reuse")
     for _ in range(3):
         c.admit(0, np.array([0]))
-    # visit 1: both never used (gap 63, bucket 0), expert 0 routed: (63, 0) 1 of 2.
+    # visit 1: both never used (gap 5, bucket 0), expert 0 routed: (5, 0) 1 of 2.
     # Expert 0's decayed count is then 1 (bucket rint(log2 2) = 1), then 1 + 255/256
     # (bucket rint(log2 2.996) = 2): at visit 2 it is routed from (1, 1), at visit 3 from
-    # (1, 2); expert 1 adds an unrouted (63, 0) each time: 1 of 4.
-    assert c.hazard_hit[63, 0] == 1 and c.hazard_seen[63, 0] == 4
+    # (1, 2); expert 1 adds an unrouted (5, 0) each time: 1 of 4.
+    assert c.hazard_hit[5, 0] == 1 and c.hazard_seen[5, 0] == 4
     assert c.hazard_hit[1, 1] == c.hazard_seen[1, 1] == 1
     assert c.hazard_hit[1, 2] == c.hazard_seen[1, 2] == 1
     assert c.hazard_seen.sum() == 6 and c.hazard_hit.sum() == 3
     assert c.count[0, 0] == pytest.approx(1 + (1 + 255 / 256) * 255 / 256)
     assert c.bucket[0].tolist() == [2, 0]
     # one pseudo-count at the overall rate (3 + 0.5) / (6 + 1) = 0.5 in every cell:
-    # h(63, 0) = 1.5 / 5 = 0.3, h(1, 2) = 1.5 / 2 = 0.75, unseen cells 0.5
+    # h(5, 0) = 1.5 / 5 = 0.3, h(1, 1) = h(1, 2) = 1.5 / 2 = 0.75, unseen cells 0.5
     chance = c.reuse_chance()
-    # expert 0: gaps 1..4 of bucket 2 -> 1 - (1 - 0.75) * 0.5^3
+    # expert 0: level log2(3.988) between buckets 1 and 2, both 1 - (1 - 0.75) * 0.5^3
+    # over gaps 1..4
     assert chance[0, 0] == pytest.approx(1 - 0.25 * 0.5 ** 3)
-    # expert 1: gap 63, whose hazard repeats past the table's end -> 1 - (1 - 0.3)^4
+    # expert 1: gap 5 (5 or more) for all 4 visits -> 1 - (1 - 0.3)^4
     assert chance[0, 1] == pytest.approx(1 - 0.7 ** 4)
 
 
@@ -51,7 +52,7 @@ def test_reuse_keeps_the_periodic_expert_that_lru_gives_up() -> None:
     reuse, lru = periodic_and_fresh("reuse"), periodic_and_fresh("lru")
     assert reuse.resident[0, [0, 10, 11]].all() and lru.resident[0, [0, 10, 11]].all()
     chance = reuse.reuse_chance()
-    assert chance[0, 0] > 0.6 > 0.3 > max(chance[0, 10], chance[0, 11])
+    assert chance[0, 0] > 0.5 > 0.3 > max(chance[0, 10], chance[0, 11])
     assert lru.admit(0, np.array([13])).victims == [(0, 0)]     # the least recent
     victims = reuse.admit(0, np.array([13])).victims
     assert len(victims) == 1 and victims[0] in [(0, 10), (0, 11)]
@@ -113,3 +114,22 @@ def test_reuse_sheds_a_prefill_overshoot_at_the_next_call() -> None:
     adm = c.admit(1, np.array([0]))
     assert len(adm.victims) == 3 and all(layer == 0 for layer, _ in adm.victims)
     assert c.resident_bytes == 6
+
+
+def test_reuse_ranks_units_of_one_cell_by_their_counts() -> None:
+    c = ExpertCache(np.array([1]), n_expert=4, budget=4, policy="reuse")
+    for i in range(16):                       # expert 1 routed 15 times, expert 0 11 times
+        c.admit(0, np.array([e for e in (0, 1) if i >= (5, 1)[e]], dtype=np.int64))
+    assert c.bucket[0, 0] == c.bucket[0, 1] == 4      # one cell of the table (gap 1)
+    # a table by hand: the hazard of bucket b is b / 10 at every gap, seen 10^6 times
+    c.hazard[1] = np.arange(8)[None, :] / 10 * 1e6
+    c.hazard[0] = 1e6 - c.hazard[1]
+    c._seen_total = float(c.hazard.sum())
+    c._within = None
+    chance = c.reuse_chance()
+    for e in (0, 1):
+        level = np.log2(c.count[0, e] + 1)            # 3.56 and 3.96: between 3 and 4
+        w = level - 3
+        within3, within4 = 1 - 0.7 ** 4, 1 - 0.6 ** 4
+        assert chance[0, e] == pytest.approx(within3 * (1 - w) + within4 * w, rel=1e-5)
+    assert chance[0, 1] > chance[0, 0]                # the more used one kept longer

@@ -19,17 +19,19 @@ Policies (`policy`):
 * ``reuse`` (the default) evicts the unit least likely to be routed again within the next
   `_HORIZON` (4) visits of its layer, a chance it learns from the routing it has seen.
   Each unit has two features: `gap`, how many visits of its layer have passed since it
-  was last routed (counted to its layer's next visit), and rint(log2(count + 1)) of its
-  use count (decayed by `_COUNT_DECAY` per visit of its layer: about the last 256
-  tokens). At every `admit` the units of the layer update a table of hazards,
-  [gap, bucket] -> routed / seen (a cell seen little leans on the overall rate, one
-  pseudo-count); a unit's chance of use within `_HORIZON` visits is 1 - prod(1 - hazard)
-  over the gaps it will pass through. The table is [64, 8]: learning is two bincounts
-  over the layer's row, scoring one gather over the units (the chances per cell are
-  remade once per token). Where read-ahead has guessed a unit, its guessed probability
-  counts if higher. On the benchmark's recorded routing it reads fewer bytes than
-  `next-use` and LRU at every size tried, still 1.6-2.0x the offline optimum (Belady):
-  docs/benchmarks.md has the table, and why no policy that sees only the past gets near.
+  was last routed, counted to its layer's next visit (1 .. 4, and 5 for 5 or more or
+  never), and its level log2(count + 1), with `count` its use count decayed by
+  `_COUNT_DECAY` per visit of its layer (about the last 256 tokens); its bucket is the
+  level rounded (0 .. 7). At every `admit` the units of the layer update a table of
+  hazards, [gap, bucket] -> routed / seen (a cell seen little leans on the overall rate,
+  one pseudo-count); a unit's chance of use within `_HORIZON` visits is 1 - prod(1 - h)
+  over the gaps it will pass through, interpolated between the two buckets around its
+  level. The table is [6, 8]: learning is one bincount over the layer's row, scoring a
+  few operations over the units (the chances per cell are remade once per token). Where
+  read-ahead has guessed a unit, its guessed probability counts if higher. On recorded
+  routing it reads fewer bytes than `next-use` and LRU at every size tried, still
+  1.5-2.0x the offline optimum (Belady): docs/benchmarks.md has the table, and why no
+  policy that sees only the past gets near.
 * ``next-use`` evicts the unit whose next use is expected furthest away. Every token asks
   the layers in order, so a unit of layer l cannot be needed before the router of layer l
   runs again: `d` layers from now (1 for the next layer, n_layer for the layer just
@@ -57,7 +59,7 @@ _KEEP = np.inf          # the score of a unit that may not be evicted
 _DECAY = 0.2            # next-use / lfu: weight of the newest token in the use frequency
 _P_MIN = 1e-3           # the use chance of a unit never routed
 # reuse: the learned hazard table
-_GAPS = 64              # visits since the last use: 1 .. 63, and 64 or more (never used)
+_GAPS = 6               # visits since the last use: 1 .. 4, and 5 for 5 or more (or never)
 _BUCKETS = 8            # log2(decayed use count + 1): 0 .. 7
 _HORIZON = 4            # the chance of use within this many visits of the unit's layer
 _COUNT_DECAY = 1.0 / 256
@@ -235,7 +237,15 @@ class ExpertCache:
     def reuse_chance(self) -> np.ndarray:
         """reuse: [n_layer, n_expert], each unit's chance of being routed within the next
         `_HORIZON` visits of its layer, from the learned table."""
-        return self._within_table()[self._gap(slice(None)), self.bucket]
+        within = self._within_table()
+        gap = self._gap(slice(None))
+        # between two buckets' centres the chance is interpolated, so that units of one
+        # cell are still ranked by their counts
+        level = np.minimum(np.log2(self.count + 1.0), _BUCKETS - 1)
+        lo = level.astype(np.int64)
+        hi = np.minimum(lo + 1, _BUCKETS - 1)
+        w = level - lo
+        return within[gap, lo] * (1.0 - w) + within[gap, hi] * w
 
     def _keep_score(self) -> np.ndarray:
         """Higher is kept longer (flat, [n_layer * n_expert])."""
