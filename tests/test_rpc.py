@@ -219,13 +219,19 @@ def test_worker_killed_mid_turn_ends_the_turn_and_the_server_stays_up(
         srv = start_server(tmp_path, "-m", str(split_model), "--rpc",
                            f"{a.endpoint},{b.endpoint}", "-c", "8192")
         try:
-            assert srv.info()["state"] == "ready"
+            info = srv.info()
+            assert info["state"] == "ready"
+            helpers = [d for d in info["devices"] if d["kind"] == "rpc"]
+            assert [d["endpoint"] for d in helpers] == [str(a.endpoint), str(b.endpoint)]
+            assert sum(d["layers"] for d in helpers) == 5        # 4 layers and the output
+            assert all(d["layers"] >= 2 and d["status"] == "ok" for d in helpers)
             seen, tail = _stream_until_killed(srv.url, b)
             assert 5 <= seen < 4000
             assert "stopped answering" in tail and str(b.endpoint) in tail, tail
             assert srv.proc.poll() is None
             status, _, info = srv.request("GET", "/api/info")
             assert status == 200
+            assert [d["status"] for d in info["devices"] if d["kind"] == "rpc"] == ["lost"] * 2
             # The next turn is refused with the same sentence until a reload.
             status, _, body = srv.request("POST", "/v1/chat/completions", {
                 "messages": [{"role": "user", "content": "again"}], "max_tokens": 4})
@@ -243,3 +249,28 @@ def test_worker_killed_mid_turn_ends_the_turn_and_the_server_stays_up(
                 assert body["usage"]["completion_tokens"] >= 1
         finally:
             srv.stop()
+
+
+def test_plan_lists_the_helpers_with_their_memory_and_layers(split_model: Path) -> None:
+    from bmoe.planner.helpers import helper_rows
+    from bmoe.planner.plan import Plan
+
+    dead = f"127.0.0.1:{_free_port()}"
+    with worker("p1") as a, worker("p2") as b:
+        rows, pools = helper_rows({"rpc": f"{a.endpoint},{b.endpoint},{dead}"}, split_model)
+    by_name = {r["name"]: r for r in rows}
+    for w in (a, b):
+        row = by_name[str(w.endpoint)]
+        assert row["uses"] == ["layers"] and row["status"] == "used" and row["own_memory"]
+        assert row["memory_total"] > 0 and 0 < row["round_trip_s"] < 2.0
+        assert row["token_ratio"] == 0.0                  # compute rate: not measured
+    assert by_name[dead]["status"] == "unusable" and dead in by_name[dead]["why"]
+    assert [p["name"] for p in pools] == [str(a.endpoint), str(b.endpoint)]
+    layers = rpc.layer_bytes(split_model)
+    assert sum(p["held_bytes"] for p in pools) == sum(layers)    # every layer, once
+    plan = Plan("m", "experts-stream", "s", "machine", [], {}, {}, [], {},
+                helpers=rows, helper_pools=pools)
+    body = plan.to_json()
+    assert [d["name"] for d in body["devices"]][:3] == ["CPU", str(a.endpoint), str(b.endpoint)]
+    assert body["devices_none"] == ""
+    assert str(a.endpoint) in body["summary"]["lanes"][1]["on"]

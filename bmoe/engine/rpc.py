@@ -292,12 +292,41 @@ class Split:
     shares: tuple[float, ...]
 
 
-def split_by_memory(helpers: list[Helper], n_layers: int = -1) -> Split:
-    """`n_layers` (-1: every repeating layer and the output) on the helpers, shared by
-    the memory each reports free."""
-    shares = [float(free) for h in helpers for free, _ in h.devices]
-    total = sum(shares) or 1.0
-    return Split(n_layers, tuple(s / total for s in shares))
+HELPER_MEMORY_USE = 0.9    # of the memory a helper reports free, what its layers may take
+
+
+def layer_bytes(path: str | os.PathLike[str]) -> list[int]:
+    """Bytes of each repeating layer (blk.N.*) in file order, then of the output layer
+    (output*.weight): the units llama.cpp's n_gpu_layers counts from the end."""
+    import gguf
+    import re
+    reader = gguf.GGUFReader(str(path))
+    try:
+        layers: dict[int, int] = {}
+        output = 0
+        for t in reader.tensors:
+            m = re.match(r"blk\.(\d+)\.", t.name)
+            if m:
+                layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + int(t.n_bytes)
+            elif t.name.startswith("output"):
+                output += int(t.n_bytes)
+        return [layers[i] for i in sorted(layers)] + [output]
+    finally:
+        reader.tensors.clear()
+        del reader
+
+
+def split_by_memory(helpers: list[Helper], sizes: list[int]) -> Split:
+    """As many of the last layers (`sizes`: layer_bytes) as fit in the helpers' reported
+    free memory (HELPER_MEMORY_USE of it), shared among their devices by that memory."""
+    free = [float(f) for h in helpers for f, _ in h.devices]
+    total = sum(free) or 1.0
+    room, used, n = total * HELPER_MEMORY_USE, 0, 0
+    for size in reversed(sizes):
+        if used + size > room:
+            break
+        used, n = used + size, n + 1
+    return Split(n, tuple(f / total for f in free))
 
 
 class RpcDevices:
@@ -325,9 +354,10 @@ class RpcDevices:
         self._split = (ctypes.c_float * lc.llama_max_devices())()
         self._guard = _Guard()
 
-    def split_for(self, values: dict[str, Any]) -> Split:
-        """The split of this load: every layer on the helpers, by their free memory."""
-        return split_by_memory(self.helpers)
+    def split_for(self, path: str | os.PathLike[str]) -> Split:
+        """The split of this load: the last layers that fit the helpers' memory."""
+        self.layer_bytes = layer_bytes(path)
+        return split_by_memory(self.helpers, self.layer_bytes)
 
     def configure(self, params: Any, split: Split) -> None:
         """Put the helpers' devices and `split` into llama_model_params."""
@@ -338,6 +368,9 @@ class RpcDevices:
         params.split_mode = lc.LLAMA_SPLIT_MODE_LAYER
         params.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         self.split = split
+        counts = _layers_per_device(split, len(self.layer_bytes) - 1)
+        self.layers = counts
+
 
     def decode(self, ctx: Any, batch: Any) -> int:
         """llama_decode and llama_synchronize under the guard; a lost helper raises
@@ -370,13 +403,31 @@ class RpcDevices:
         """The helpers as /api/info lists them."""
         out = []
         names = iter(self.names)
+        layers = iter(getattr(self, "layers", []))
         for h in self.helpers:
             for free, total in h.devices:
-                out.append({"name": next(names, ""), "endpoint": str(h.endpoint),
-                            "protocol": h.version, "memory_free": free,
-                            "memory_total": total,
+                out.append({"name": next(names, ""), "kind": "rpc",
+                            "endpoint": str(h.endpoint), "protocol": h.version,
+                            "memory_free": free, "memory_total": total,
+                            "layers": next(layers, 0),
                             "status": "lost" if self.failed else "ok"})
         return out
+
+
+def _layers_per_device(split: Split, n_layer: int) -> list[int]:
+    """How llama.cpp deals the split's layers (the output counted) to the devices: layer
+    i of the offloaded run goes to the first device whose cumulative share exceeds
+    i / n (llama-model.cpp, get_layer_buft_list)."""
+    n = n_layer + 1 if split.n_layers < 0 else min(split.n_layers, n_layer + 1)
+    bounds, acc = [], 0.0
+    for share in split.shares:
+        acc += share
+        bounds.append(acc / (sum(split.shares) or 1.0))
+    counts = [0] * len(split.shares)
+    for i in range(n):
+        at = next((d for d, b in enumerate(bounds) if i / n < b), len(bounds) - 1)
+        counts[at] += 1
+    return counts
 
 
 def shutdown_sockets_to(endpoints: tuple[Endpoint, ...]) -> int:

@@ -183,7 +183,7 @@ class Session:
         if self.streamer is not None:
             self.streamer.configure_model_params(mparams)
         if self.rpc is not None:
-            self.rpc.configure(mparams, self.rpc.split_for(self.values))
+            self.rpc.configure(mparams, self.rpc.split_for(self.path))
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise LoadError(f"llama.cpp could not load {self.path.name}: not a model file it reads.")

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from .helpers import helper_rows
 from .plan import Plan, PlanInputs, make_plan
 from .probes import (
     ComputeFacts,
@@ -65,8 +66,10 @@ def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: lis
     if routing_dir is not None:
         trial, trial_warning = read_trial(trial_path(routing_dir, facts.path, facts.size))
         warning = warning or trial_warning
-    return make_plan(PlanInputs(facts, memory, storage, compute, dict(values),
+    plan = make_plan(PlanInputs(facts, memory, storage, compute, dict(values),
                                 list(user_keys), record, warning, costs, loaded_model, trial))
+    plan.helpers, plan.helper_pools = helper_rows(values, path)
+    return plan
 
 
 def _check_model(facts: ModelFacts) -> None:

@@ -104,6 +104,8 @@ class Plan:
     decline_reason: str = ""
     warning: str = ""
     floor_bytes: int = 0
+    helpers: list[dict[str, Any]] = field(default_factory=list)       # planner/helpers.py
+    helper_pools: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -132,6 +134,12 @@ class Plan:
             "devices_none_text": "No other device: this build carries no backend for one.",
             "explain": explain(self), "measurements": self.measurements,
         }
+        if self.helpers:
+            out["devices"] += self.helpers
+            out["devices_none"] = out["devices_none_text"] = ""
+            out["memory"]["pools"] = [*self.pools, *self.helper_pools]
+            on = [d["name"] for d in self.helpers if "layers" in d["uses"]]
+            out["summary"]["lanes"][1]["on"] += on
         if self.warning:
             out["warning"] = self.warning
         return out

@@ -145,10 +145,17 @@ class ServerState:
             "state": self.state, "error": self.error, "model": self.model_info(),
             "generating": self.generating, "waiting": self.turns.waiting,
             "calibrating": False,
+            "devices": self.devices(),
         }
         if self.state in ("loading", "planning") and self.load_started is not None:
             out["load_elapsed_s"] = round(time.monotonic() - self.load_started, 3)
         return out
+
+    def devices(self) -> list[dict[str, Any]]:
+        """The host's CPU, then each RPC helper device of the loaded model."""
+        host = {"name": "CPU", "kind": "cpu", "status": "ok"}
+        helpers = getattr(self.session, "rpc", None)
+        return [host, *(helpers.describe() if helpers is not None else [])]
 
     def _set_state(self, state: str, error: str = "") -> None:
         self.state = state
