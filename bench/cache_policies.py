@@ -1,13 +1,20 @@
 """Replacement policies of the expert cache against the offline optimum, on recorded routing.
 
-    python bench/cache_policies.py                  # about a minute, no model needed
+    python bench/cache_policies.py                  # about 2 minutes, no model needed
+    python bench/cache_policies.py --trace bench/routing-small-s2-c0.npy --capacity 128,254,384
     python bench/cache_policies.py --capture MODEL.gguf --out routing.npy
+    python bench/cache_policies.py --capture-small 2,0 --out bench/routing-small-s2-c0.npy
 
 A trace is the routing the streamer captures (`ExpertStreamer.record_routing`): for every
 single-token decode, [layers, k] expert ids. `--capture` teacher-forces the benchmark's
 text through a model with every expert resident (`load-all`) and saves it. The default
 trace, `bench/routing-bench.npy`, is that capture on `stream_vs_mmap.py`'s benchmark MoE
 (24 layers x 64 experts, top-4, router skew 1.5, context mix 1.5; 436 tokens).
+`--capture-small SKEW,MIX` makes a small MoE (12 layers x 64, top-4) of another router
+skew and context mix with `bmoe.modelmaker` and captures it (20 s): the other routing
+structures, `bench/routing-small-s1-c1.5.npy` (less skew, local context),
+`routing-small-s2-c0.npy` (strong skew, no context: popularity without recency) and
+`routing-small-s0-c0.npy` (a plain random router: near uniform).
 
 The engine's policies (`cache-policy`: lru, lfu, next-use, reuse) run the engine's own
 `ExpertCache` (same admissions, same victims, a layer's routed set never split) over the
@@ -259,7 +266,7 @@ def bench_rows(tr: _Trace, capacities: list[int], warmup: int
     engine("LRU-2", lambda c: Lru2Cache(unit, tr.n_expert, c, "lru"))
     rows.append(("ARC (reference, outside the engine)",
                  {c: arc(tr, c, warmup) for c in capacities}))
-    engine("reuse, per-layer budgets (each layer 1/24 of the cache)",
+    engine(f"reuse, per-layer budgets (each layer 1/{tr.n_layer} of the cache)",
            lambda c: ExpertCache(unit, tr.n_expert, c, "reuse"), per_layer=True)
     engine("reuse + admission control (k-unit scratch from the budget)",
            lambda c: BypassCache(unit, tr.n_expert, c - tr.k, "reuse"))
@@ -324,9 +331,21 @@ def capture(model: Path, out: Path, threads: int) -> None:
             st.token_begin()
             s.prefill(tokens[:i], threading.Event())
             st.token_end()
-        np.save(out, np.array(st.routing))
+        routing = np.array(st.routing)
+        np.save(out, routing.astype(np.uint8) if routing.max() < 256 else routing)
     finally:
         s.close()
+
+
+def make_small(skew_mix: str, directory: Path) -> Path:
+    """A small MoE (12 layers x 64 experts, top-4, n_embd 256) of the given router skew and
+    context mix (`bmoe.modelmaker`), for traces of other routing structures."""
+    from bmoe.modelmaker import make_model
+
+    skew, mix = (float(x) for x in skew_mix.split(","))
+    return make_model(directory / f"small-s{skew:g}-c{mix:g}.gguf", n_layer=12, n_expert=64,
+                      n_expert_used=4, n_embd=256, n_ff_exp=64, n_head=4, n_head_kv=2,
+                      head_dim=64, dtype="f16", router_skew=skew, context_mix=mix, seed=7)
 
 
 def main(argv: list[str]) -> int:
@@ -334,6 +353,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trace", default=str(Path(__file__).with_name("routing-bench.npy")),
                    help="routing .npy ([tokens, layers, k])")
     p.add_argument("--capture", help="a model to capture a trace from (then --out)")
+    p.add_argument("--capture-small", metavar="SKEW,MIX",
+                   help="make the small MoE of this router skew and context mix, capture")
     p.add_argument("--out", default="routing.npy")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--capacity", default="256,508,768", help="cache sizes in units")
@@ -341,6 +362,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--unit-mib", type=float, default=3.0, help="bytes of one unit, for MiB")
     p.add_argument("--repeats", type=int, default=5, help="runs per policy for the cost")
     args = p.parse_args(argv)
+    if args.capture_small:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            capture(make_small(args.capture_small, Path(d)), Path(args.out), args.threads)
+        return 0
     if args.capture:
         capture(Path(args.capture), Path(args.out), args.threads)
         return 0

@@ -64,8 +64,6 @@ _BUCKETS = 8            # log2(decayed use count + 1): 0 .. 7
 _HORIZON = 4            # the chance of use within this many visits of the unit's layer
 _COUNT_DECAY = 1.0 / 256
 _TABLE_MAX = float(1 << 24)   # table weight beyond which old evidence is halved
-# count >= edge[b - 1] <=> rint(log2(count + 1)) >= b
-_BUCKET_EDGES = 2.0 ** (np.arange(1, _BUCKETS) - 0.5) - 1.0
 
 
 @dataclass
@@ -105,7 +103,8 @@ class ExpertCache:
         self.visits = np.zeros(n_layer, dtype=np.int64)
         self.last_visit = np.full((n_layer, n_expert), -_GAPS, dtype=np.int64)
         self.count = np.zeros((n_layer, n_expert), dtype=np.float64)
-        self.bucket = np.zeros((n_layer, n_expert), dtype=np.int64)   # of `count`
+        self.level = np.zeros((n_layer, n_expert), dtype=np.float64)  # log2(count + 1)
+        self.bucket = np.zeros((n_layer, n_expert), dtype=np.int64)     # level, rounded
         self.hazard = np.zeros((2, _GAPS, _BUCKETS))   # [not routed, routed][gap, bucket]
         self._seen_total = 0.0
         self._within: np.ndarray | None = None    # the table's chances, once per token
@@ -213,8 +212,9 @@ class ExpertCache:
         count = self.count[layer]
         count *= 1.0 - _COUNT_DECAY
         count[ids] += 1.0
-        # rint(log2(count + 1)), capped at _BUCKETS - 1
-        self.bucket[layer] = np.searchsorted(_BUCKET_EDGES, count, side="right")
+        level = np.minimum(np.log2(count + 1.0), _BUCKETS - 1)
+        self.level[layer] = level
+        self.bucket[layer] = (level + 0.5).astype(np.int64)
 
     def _within_table(self) -> np.ndarray:
         """[gap, bucket] -> the chance of use within `_HORIZON` visits: 1 - prod(1 - h)
@@ -230,7 +230,9 @@ class ExpertCache:
             g = np.arange(_GAPS)
             end = np.minimum(g + _HORIZON, _GAPS)
             beyond = (g + _HORIZON - end)[:, None] * log_miss[_GAPS - 1]
-            self._within = 1.0 - np.exp(cum[end] - cum[g] + beyond)
+            within = 1.0 - np.exp(cum[end] - cum[g] + beyond)
+            # one more bucket, a copy of the last: the interpolation's upper neighbour
+            self._within = np.hstack([within, within[:, -1:]])
             self._learned = 0
         return self._within
 
@@ -241,11 +243,9 @@ class ExpertCache:
         gap = self._gap(slice(None))
         # between two buckets' centres the chance is interpolated, so that units of one
         # cell are still ranked by their counts
-        level = np.minimum(np.log2(self.count + 1.0), _BUCKETS - 1)
-        lo = level.astype(np.int64)
-        hi = np.minimum(lo + 1, _BUCKETS - 1)
-        w = level - lo
-        return within[gap, lo] * (1.0 - w) + within[gap, hi] * w
+        lo = self.level.astype(np.int64)
+        below = within[gap, lo]
+        return below + (within[gap, lo + 1] - below) * (self.level - lo)
 
     def _keep_score(self) -> np.ndarray:
         """Higher is kept longer (flat, [n_layer * n_expert])."""
