@@ -6,7 +6,6 @@ and token accounting, never prose.
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -16,10 +15,11 @@ from typing import Any, Iterator
 import anthropic
 import pytest
 
-from bmoe.modelmaker import make_model
 from bmoe.http.errors import HTTPError
 from bmoe.server import anthropic as messages_api
 from bmoe.server import wire
+from _protocol_support import (keyed_server_at, open_stream, sse, think_server_at,
+                               wait_generating)
 from conftest import ServerProcess, start_server
 
 NO_THINK = {"type": "disabled"}
@@ -63,63 +63,13 @@ def user(text: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def think_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A model whose template opens the reasoning span when thinking is on, so a thinking
-    turn is all reasoning, whatever the random weights write."""
-    root = tmp_path_factory.mktemp("anthropic-think")
-    model = make_model(root / "tiny-think.gguf", think_prefill=True)
-    srv = start_server(root / "data", "-m", str(model), "-c", "1024")
-    yield srv
-    srv.stop()
+    yield from think_server_at(tmp_path_factory.mktemp("anthropic-think"))
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path
                  ) -> Iterator[ServerProcess]:
-    """A small context (2048) behind a key: full-context refusals and access errors."""
-    root = tmp_path_factory.mktemp("anthropic-keyed")
-    key_file = root / "key"
-    key_file.write_text(KEY + "\n")
-    srv = start_server(root / "data", "-m", str(tiny_moe), "-c", "2048",
-                       "--api-key-file", str(key_file), wait_ready=False)
-    srv.key = KEY
-    srv.wait_state("ready")
-    yield srv
-    srv.stop()
-
-
-def sse(raw: bytes) -> list[tuple[str | None, Any]]:
-    """(event name, data) for each event; comments as ("comment", text)."""
-    out: list[tuple[str | None, Any]] = []
-    for block in raw.decode().split("\n\n"):
-        name, data = None, None
-        for line in block.split("\n"):
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-            elif line.startswith(": "):
-                out.append(("comment", line[2:]))
-        if name is not None or data is not None:
-            out.append((name, data))
-    return out
-
-
-def open_stream(server: ServerProcess, path: str, body: dict[str, Any]
-                ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    host, port = server.url.split("//")[1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    headers = {"Content-Type": "application/json"}
-    if server.key:
-        headers["X-Api-Key"] = server.key
-    conn.request("POST", path, body=json.dumps(body), headers=headers)
-    return conn, conn.getresponse()
-
-
-def wait_generating(server: ServerProcess, value: bool, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while server.info()["generating"] is not value:
-        assert time.monotonic() < deadline, f"generating never became {value}"
-        time.sleep(0.01)
+    yield from keyed_server_at(tmp_path_factory.mktemp("anthropic-keyed"), tiny_moe, KEY)
 
 
 # -- request translation (no server) -------------------------------------------------------------
@@ -209,7 +159,7 @@ def test_stream_sends_the_event_sequence_and_agrees_with_create(server: ServerPr
 
 
 def test_every_event_is_named_as_its_type(server: ServerProcess) -> None:
-    conn, resp = open_stream(server, "/v1/messages", {
+    conn, resp = open_stream(server, "/v1/messages", key_header="X-Api-Key", body={
         "model": "x", "max_tokens": 8, "stream": True, "thinking": NO_THINK,
         "messages": user("Hi.")})
     assert resp.status == 200
@@ -456,7 +406,7 @@ def test_error_inside_a_stream_is_an_error_event(keyed_server: ServerProcess) ->
     t = threading.Thread(target=long_turn)
     t.start()
     wait_generating(keyed_server, True, 20)
-    conn, resp = open_stream(keyed_server, "/v1/messages", {
+    conn, resp = open_stream(keyed_server, "/v1/messages", key_header="X-Api-Key", body={
         "model": "x", "max_tokens": 8, "stream": True, "messages": user(LONG_TEXT)})
     assert resp.status == 200
     head = resp.readline()
@@ -523,7 +473,7 @@ def test_a_body_that_is_not_json_is_refused_in_the_messages_shape(server: Server
 # -- disconnects -----------------------------------------------------------------------------------
 
 def test_disconnect_cancels_that_turn_only(server: ServerProcess) -> None:
-    conn, resp = open_stream(server, "/v1/messages", {
+    conn, resp = open_stream(server, "/v1/messages", key_header="X-Api-Key", body={
         "model": "x", "max_tokens": 3500, "stream": True, "thinking": NO_THINK,
         "messages": user("Talk for a long time.")})
     assert resp.status == 200

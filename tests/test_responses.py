@@ -6,7 +6,6 @@ and token accounting, never prose.
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -16,9 +15,10 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from bmoe.modelmaker import make_model
 from bmoe.server import responses as responses_api
 from bmoe.server import wire
+from _protocol_support import (keyed_server_at, open_stream, sse, think_server_at,
+                               wait_generating)
 from conftest import ServerProcess, start_server
 
 NO_THINK = {"effort": "none"}
@@ -56,62 +56,13 @@ def _close_clients() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def think_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A model whose template opens the reasoning span when thinking is on."""
-    root = tmp_path_factory.mktemp("responses-think")
-    model = make_model(root / "tiny-think.gguf", think_prefill=True)
-    srv = start_server(root / "data", "-m", str(model), "-c", "1024")
-    yield srv
-    srv.stop()
+    yield from think_server_at(tmp_path_factory.mktemp("responses-think"))
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path
                  ) -> Iterator[ServerProcess]:
-    """A small context (2048) behind a key: full-context refusals and access errors."""
-    root = tmp_path_factory.mktemp("responses-keyed")
-    key_file = root / "key"
-    key_file.write_text(KEY + "\n")
-    srv = start_server(root / "data", "-m", str(tiny_moe), "-c", "2048",
-                       "--api-key-file", str(key_file), wait_ready=False)
-    srv.key = KEY
-    srv.wait_state("ready")
-    yield srv
-    srv.stop()
-
-
-def sse(raw: bytes) -> list[tuple[str | None, Any]]:
-    """(event name, data) for each event; comments as ("comment", text)."""
-    out: list[tuple[str | None, Any]] = []
-    for block in raw.decode().split("\n\n"):
-        name, data = None, None
-        for line in block.split("\n"):
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-            elif line.startswith(": "):
-                out.append(("comment", line[2:]))
-        if name is not None or data is not None:
-            out.append((name, data))
-    return out
-
-
-def open_stream(server: ServerProcess, body: dict[str, Any]
-                ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    host, port = server.url.split("//")[1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    headers = {"Content-Type": "application/json"}
-    if server.key:
-        headers["Authorization"] = f"Bearer {server.key}"
-    conn.request("POST", "/v1/responses", body=json.dumps(body), headers=headers)
-    return conn, conn.getresponse()
-
-
-def wait_generating(server: ServerProcess, value: bool, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while server.info()["generating"] is not value:
-        assert time.monotonic() < deadline, f"generating never became {value}"
-        time.sleep(0.01)
+    yield from keyed_server_at(tmp_path_factory.mktemp("responses-keyed"), tiny_moe, KEY)
 
 
 def as_input(items: list[Any]) -> list[dict[str, Any]]:
@@ -211,8 +162,8 @@ def test_stream_with_get_final_response(server: ServerProcess) -> None:
 
 
 def test_events_are_named_typed_and_numbered(server: ServerProcess) -> None:
-    conn, resp = open_stream(server, {"input": "Hi.", "max_output_tokens": 8, "stream": True,
-                                      "reasoning": NO_THINK})
+    conn, resp = open_stream(server, "/v1/responses", {
+        "input": "Hi.", "max_output_tokens": 8, "stream": True, "reasoning": NO_THINK})
     assert resp.status == 200
     assert resp.getheader("Content-Type", "").startswith("text/event-stream")
     events = sse(resp.read())
@@ -412,7 +363,7 @@ def test_failure_inside_a_stream_is_response_failed(keyed_server: ServerProcess)
     t = threading.Thread(target=long_turn)
     t.start()
     wait_generating(keyed_server, True, 20)
-    conn, resp = open_stream(keyed_server, {"input": LONG_TEXT, "stream": True})
+    conn, resp = open_stream(keyed_server, "/v1/responses", {"input": LONG_TEXT, "stream": True})
     assert resp.status == 200
     head = resp.readline()
     assert head == b"event: response.created\n"
@@ -455,8 +406,9 @@ def test_no_model_is_503_in_the_responses_shape(tmp_path: Path) -> None:
 # -- disconnects ------------------------------------------------------------------------------
 
 def test_disconnect_cancels_that_turn_only(server: ServerProcess) -> None:
-    conn, resp = open_stream(server, {"input": "Talk for a long time.", "stream": True,
-                                      "max_output_tokens": 3500, "reasoning": NO_THINK})
+    conn, resp = open_stream(server, "/v1/responses", {
+        "input": "Talk for a long time.", "stream": True, "max_output_tokens": 3500,
+        "reasoning": NO_THINK})
     assert resp.status == 200
     assert resp.readline() == b"event: response.created\n"
     wait_generating(server, True, 20)
