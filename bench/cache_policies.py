@@ -52,6 +52,7 @@ CANDIDATES = (
     ("LRU (issue 7)", "lru", 0.0),
     ("LFU, decay 0.05 / token", "lfu", 0.05),
     ("LFU, decay 0.2", "lfu", 0.2),
+    ("LFU, decay 0.002 (a long window)", "lfu", 0.002),
     ("next-use, decay 0.05", "next-use", 0.05),
     ("next-use, decay 0.2 (issue 16's default)", "next-use", 0.2),
     ("**reuse (the default)**", "reuse", 0.0),
