@@ -8,6 +8,8 @@ default too small to hold the model in one process, big enough for half of it):
             the layers are dealt by the helpers' free memory (bmoe/engine/rpc.py)
   stream    bmoe's expert streaming (cache-mb auto) in one capped process
   mmap      llama.cpp on mmap (streaming off) in one capped process
+  compute   every expert loaded into memory at load (load-all), no cap: the compute
+            floor of one process on this machine
 
 Decode is timed token by token (teacher-forced on the same text, the first `--warmup`
 tokens not timed). The bytes that crossed the network per token are the veth pairs'
@@ -190,7 +192,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cap-frac", type=float, default=0.60,
                    help="each machine's memory cap / model file size")
     p.add_argument("--cache-floor-mb", type=int, default=128)
-    p.add_argument("--runs", default="split,stream,mmap")
+    p.add_argument("--runs", default="split,stream,mmap,compute")
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
     p.add_argument("--json", help="write the figures here")
@@ -216,6 +218,10 @@ def bench(args: argparse.Namespace) -> int:
             if name == "split":
                 results[name] = run_split(model, args, limit)
                 continue
+            if name == "compute":
+                results[name] = run_one(name, {"moe-stream": True, "load-all": True},
+                                        model, args, None)
+                continue
             values: dict[str, Any] = {"moe-stream": False} if name == "mmap" else {
                 "moe-stream": True, "cache-mb": "auto", "io-threads": args.io_threads,
                 "cache-floor-mb": args.cache_floor_mb}
@@ -231,7 +237,7 @@ def bench(args: argparse.Namespace) -> int:
             model.unlink(missing_ok=True)
     base = results.get("split", {}).get("median")
     if base:
-        for name in ("stream", "mmap"):
+        for name in ("stream", "mmap", "compute"):
             if name in results:
                 print(f"{name} / split: {results[name]['median'] / base:.2f}x the split's "
                       "s/token", flush=True)
