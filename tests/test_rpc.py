@@ -274,3 +274,24 @@ def test_plan_lists_the_helpers_with_their_memory_and_layers(split_model: Path) 
     assert [d["name"] for d in body["devices"]][:3] == ["CPU", str(a.endpoint), str(b.endpoint)]
     assert body["devices_none"] == ""
     assert str(a.endpoint) in body["summary"]["lanes"][1]["on"]
+
+
+def test_server_plan_lists_the_helpers_once_the_model_is_unloaded(
+        tmp_path: Path, split_model: Path) -> None:
+    with worker("s1") as a, worker("s2") as b:
+        srv = start_server(tmp_path, "-m", str(split_model), "--rpc",
+                           f"{a.endpoint},{b.endpoint}")
+        try:
+            assert srv.info()["state"] == "ready"
+            assert srv.request("POST", "/api/session/unload", {})[0] in (200, 202)
+            srv.wait_state("empty")
+            status, _, plan = srv.request("GET", "/api/plan?measure=1", timeout=300)
+            assert status == 200, plan
+            helpers = {d["name"]: d for d in plan["devices"] if not d["cpu"]}
+            assert set(helpers) == {str(a.endpoint), str(b.endpoint)}
+            assert all(d["uses"] == ["layers"] and d["status"] == "used"
+                       for d in helpers.values())
+            names = [p["name"] for p in plan["memory"]["pools"]]
+            assert str(a.endpoint) in names and str(b.endpoint) in names
+        finally:
+            srv.stop()
