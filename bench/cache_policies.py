@@ -4,6 +4,7 @@
     python bench/cache_policies.py --trace bench/routing-small-s2-c0.npy --capacity 128,254,384
     python bench/cache_policies.py --capture MODEL.gguf --out routing.npy
     python bench/cache_policies.py --capture-small 2,0 --out bench/routing-small-s2-c0.npy
+    python bench/cache_policies.py --engine-small 1,1.5 --cache-mb 24 --tokens 200
 
 A trace is the routing the streamer captures (`ExpertStreamer.record_routing`): for every
 single-token decode, [layers, k] expert ids. `--capture` teacher-forces the benchmark's
@@ -15,6 +16,8 @@ skew and context mix with `bmoe.modelmaker` and captures it (20 s): the other ro
 structures, `bench/routing-small-s1-c1.5.npy` (less skew, local context),
 `routing-small-s2-c0.npy` (strong skew, no context: popularity without recency) and
 `routing-small-s0-c0.npy` (a plain random router: near uniform).
+`--engine-small SKEW,MIX` runs the real streamer instead of the simulator on such a
+model, once per engine policy, and prints the MiB each session read.
 
 The engine's policies (`cache-policy`: lru, lfu, next-use, reuse) run the engine's own
 `ExpertCache` (same admissions, same victims, a layer's routed set never split) over the
@@ -338,6 +341,38 @@ def capture(model: Path, out: Path, threads: int) -> None:
         s.close()
 
 
+def engine_reads(model: Path, cache_mb: int, n_tokens: int, threads: int) -> str:
+    """The real streamer, not the simulator: the benchmark text teacher-forced through
+    `model` from a cold cache of `cache_mb` MiB, no read-ahead, once per engine policy;
+    the MiB the session read and its hit rate."""
+    import threading
+
+    from stream_vs_mmap import TEXT
+
+    from bmoe.engine.experts import streamer_factory
+    from bmoe.engine.session import Session
+
+    lines = [f"engine: {model.name}, cache-mb {cache_mb}, {n_tokens} tokens from a cold cache"]
+    for policy in ("lru", "next-use", "reuse"):
+        s = Session(model, {"temp": 0, "ctx-size": 1024, "threads": threads,
+                            "moe-stream": True, "cache-mb": cache_mb, "cache-policy": policy,
+                            "prefetch": 0}, streamer_factory)
+        try:
+            st = s.streamer
+            assert st is not None
+            tokens = s.tokenize(TEXT)[:n_tokens]
+            for i in range(1, len(tokens) + 1):
+                st.token_begin()
+                s.prefill(tokens[:i], threading.Event())
+                st.token_end()
+            sm = st.summary()
+            lines.append(f"  {policy:9} read {sm['session_read_mib']:8.1f} MiB  hits "
+                         f"{sm['cache_hit_pct']:5.1f} %  evictions {sm['cache_evictions']}")
+        finally:
+            s.close()
+    return "\n".join(lines)
+
+
 def make_small(skew_mix: str, directory: Path) -> Path:
     """A small MoE (12 layers x 64 experts, top-4, n_embd 256) of the given router skew and
     context mix (`bmoe.modelmaker`), for traces of other routing structures."""
@@ -362,7 +397,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--unit-mib", type=float, default=3.0, help="bytes of one unit, for MiB")
     p.add_argument("--repeats", type=int, default=5, help="runs per policy for the cost")
+    p.add_argument("--engine-small", metavar="SKEW,MIX",
+                   help="run the real streamer on that small MoE instead (--cache-mb, --tokens)")
+    p.add_argument("--cache-mb", type=int, default=24)
+    p.add_argument("--tokens", type=int, default=200)
     args = p.parse_args(argv)
+    if args.engine_small:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            print(engine_reads(make_small(args.engine_small, Path(d)), args.cache_mb,
+                               args.tokens, args.threads))
+        return 0
     if args.capture_small:
         import tempfile
         with tempfile.TemporaryDirectory() as d:
