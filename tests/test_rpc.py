@@ -11,8 +11,10 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -295,3 +297,69 @@ def test_server_plan_lists_the_helpers_once_the_model_is_unloaded(
             assert str(a.endpoint) in names and str(b.endpoint) in names
         finally:
             srv.stop()
+
+
+# --- a helper that passes the handshake, then hangs up ----------------------------------
+
+class HangUpHelper:
+    """Speaks the RPC protocol as far as HELLO, the device count and the device memory
+    (what bmoe checks before a load), then closes the connection at the first command
+    llama.cpp's load sends: ggml-rpc's client aborts there, in the middle of the load."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.endpoint = rpc.Endpoint("127.0.0.1", self.sock.getsockname()[1])
+        self.hung_up = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                self._client(conn)
+
+    def _client(self, conn: socket.socket) -> None:
+        replies = {rpc.RPC_CMD_HELLO: bytes([rpc.RPC_PROTO_MAJOR, 0, 0, 0]) + bytes(24),
+                   rpc.RPC_CMD_DEVICE_COUNT: struct.pack("<I", 1),
+                   rpc.RPC_CMD_GET_DEVICE_MEMORY: struct.pack("<QQ", 1 << 30, 1 << 30)}
+        while True:
+            head = conn.recv(9, socket.MSG_WAITALL)
+            if len(head) < 9:
+                return
+            cmd, size = struct.unpack("<BQ", head)
+            if size:
+                conn.recv(size, socket.MSG_WAITALL)
+            if cmd not in replies:
+                self.hung_up += 1
+                return
+            conn.sendall(struct.pack("<Q", len(replies[cmd])) + replies[cmd])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_helper_lost_during_the_load_fails_the_load_not_the_server(
+        tmp_path: Path, split_model: Path) -> None:
+    fake = HangUpHelper()
+    try:
+        out = subprocess.run([sys.executable, "-m", "bmoe.cli", "-m", str(split_model), "-p",
+                              "x", "--rpc", str(fake.endpoint)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr[-2000:]           # not 134 (abort)
+        assert f"{fake.endpoint} stopped answering while the model loaded" in out.stderr
+        srv = start_server(tmp_path, "-m", str(split_model), "--rpc", str(fake.endpoint))
+        try:
+            info = srv.wait_state("error", "ready")
+            assert info["state"] == "error" and "while the model loaded" in info["error"]
+            assert srv.proc.poll() is None and srv.info()["state"] == "error"
+        finally:
+            srv.stop()
+        assert fake.hung_up >= 2
+    finally:
+        fake.close()

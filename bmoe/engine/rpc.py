@@ -372,6 +372,22 @@ class RpcDevices:
         self.layers = counts
 
 
+    def load_model(self, path: bytes, params: Any) -> Any:
+        """llama_model_load_from_file under the guard; a lost helper raises LoadError."""
+        model = self._guard.load(path, params)
+        if model is _Guard.ENDED:
+            self._fail(self._guard.message(), "while the model loaded")
+            raise LoadError(self.failed or "")
+        return model
+
+    def init_context(self, model: Any, params: Any) -> Any:
+        """llama_init_from_model under the guard; a lost helper raises LoadError."""
+        ctx = self._guard.init(model, params)
+        if ctx is _Guard.ENDED:
+            self._fail(self._guard.message(), "while the model loaded")
+            raise LoadError(self.failed or "")
+        return ctx
+
     def decode(self, ctx: Any, batch: Any) -> int:
         """llama_decode and llama_synchronize under the guard; a lost helper raises
         EngineError (and fails us)."""
@@ -383,7 +399,7 @@ class RpcDevices:
             raise EngineError("failed", self.failed or "")
         return rc
 
-    def _fail(self, detail: str) -> None:
+    def _fail(self, detail: str, when: str = "in the middle of the turn") -> None:
         for text in self.spellings:
             _dead_spellings.add(text)
         shutdown_sockets_to(self.endpoints)
@@ -394,9 +410,9 @@ class RpcDevices:
             except Unreachable:
                 lost.append(str(endpoint))
         who = ", ".join(lost) if lost else ", ".join(str(e) for e in self.endpoints)
-        self.failed = (f"The RPC helper at {who} stopped answering in the middle of the turn, "
-                       "so the turn ended. The model must be loaded again (with the helper "
-                       "running, or without it).")
+        ended = "so the turn ended" if "turn" in when else "so the load failed"
+        self.failed = (f"The RPC helper at {who} stopped answering {when}, {ended}. The "
+                       "model must be loaded again (with the helper running, or without it).")
         print(f"bmoe: lost an RPC helper ({who}): {detail.strip()}", file=sys.stderr)
 
     def describe(self) -> list[dict[str, Any]]:
@@ -467,6 +483,7 @@ class _Guard:
     """bmoe/native/rpcguard.c, bound to the loaded libraries."""
 
     _lib: ctypes.CDLL | None = None
+    ENDED = object()          # what load/init return when the guard ended the call
 
     def __init__(self) -> None:
         if _Guard._lib is None:
@@ -477,6 +494,20 @@ class _Guard:
         llama = _loaded("libllama.so")
         self._decode = ctypes.cast(llama.llama_decode, ctypes.c_void_p)
         self._sync = ctypes.cast(llama.llama_synchronize, ctypes.c_void_p)
+        self._load = ctypes.cast(llama.llama_model_load_from_file, ctypes.c_void_p)
+        self._init = ctypes.cast(llama.llama_init_from_model, ctypes.c_void_p)
+
+    def load(self, path: bytes, params: Any) -> Any:
+        ended = ctypes.c_int(0)
+        model = self.lib.bmoe_rpcguard_load(self._load, path, ctypes.byref(params),
+                                            ctypes.byref(ended))
+        return _Guard.ENDED if ended.value else model
+
+    def init(self, model: Any, params: Any) -> Any:
+        ended = ctypes.c_int(0)
+        ctx = self.lib.bmoe_rpcguard_init(self._init, model, ctypes.byref(params),
+                                          ctypes.byref(ended))
+        return _Guard.ENDED if ended.value else ctx
 
     def decode(self, ctx: Any, batch: Any) -> int:
         return int(self.lib.bmoe_rpcguard_decode(self._decode, self._sync, ctx, batch))
@@ -499,6 +530,15 @@ def _load_guard() -> ctypes.CDLL:
                                          lc.llama_batch]
     lib.bmoe_rpcguard_decode.restype = ctypes.c_int32
     lib.bmoe_rpcguard_message.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    for which, layout in ((0, lc.llama_model_params), (1, lc.llama_context_params)):
+        if ctypes.sizeof(layout) != 8 * lib.bmoe_rpcguard_params_words(which) \
+                or ctypes.alignment(layout) != 8:
+            raise LoadError(f"{layout.__name__} changed in this llama-cpp-python: the RPC "
+                            "guard (bmoe/native/rpcguard.c) needs updating.")
+    for name in ("bmoe_rpcguard_load", "bmoe_rpcguard_init"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_void_p
     ggml_base = _loaded("libggml-base.so")
     set_abort = ctypes.cast(ggml_base.ggml_set_abort_callback, ctypes.c_void_p)
     omp: int | None = None

@@ -184,7 +184,9 @@ class Session:
             self.streamer.configure_model_params(mparams)
         if self.rpc is not None:
             self.rpc.configure(mparams, self.rpc.split_for(self.path))
-        self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        path = str(self.path).encode()
+        self.model = (self.rpc.load_model(path, mparams) if self.rpc is not None
+                      else lc.llama_model_load_from_file(path, mparams))
         if not self.model:
             raise LoadError(f"llama.cpp could not load {self.path.name}: not a model file it reads.")
         self.vocab = lc.llama_model_get_vocab(self.model)
@@ -222,7 +224,8 @@ class Session:
         self._abort_ref = _abort
         if self.streamer is not None:
             self.streamer.configure_context_params(cparams)
-        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.ctx = (self.rpc.init_context(self.model, cparams) if self.rpc is not None
+                    else lc.llama_init_from_model(self.model, cparams))
         if not self.ctx:
             raise LoadError(f"llama.cpp could not create a context of {n_ctx} tokens "
                             "(lower {ctx-size}).")

@@ -1,4 +1,4 @@
-/* A guard around llama_decode for models split over RPC helpers (bmoe/engine/rpc.py).
+/* A guard around llama.cpp calls for models split over RPC helpers (bmoe/engine/rpc.py).
  *
  * llama.cpp's RPC backend ends the process when a helper stops answering: its client
  * checks every reply with RPC_STATUS_ASSERT, which calls GGML_ABORT. ggml calls the
@@ -17,6 +17,10 @@
  *     parallel region (the CPU backend's workers wait for it there); otherwise the next
  *     signal, 20 ms later, tries again. In practice the engine thread is waiting for the
  *     helper's reply (a futex wait), which is where the jump lands.
+ *
+ * The load (llama_model_load_from_file) and the context's creation (llama_init_from_model)
+ * are guarded the same way: a helper that hangs up while its layers are sent fails the
+ * load, not the process.
  *
  * After a jump nothing of that llama.cpp context may be used or freed: the jump skipped
  * C++ destructors, the dispatcher thread is parked holding its socket, and freeing the
@@ -89,6 +93,9 @@ static void on_guard_signal(int sig) {
     if (in_parallel != NULL && in_parallel()) {
         return;  /* inside the CPU backend's parallel region: the next signal retries */
     }
+    if (PyGILState_Check()) {
+        return;  /* inside a Python callback (the abort callback): the next signal retries */
+    }
     jump_back();
 }
 
@@ -138,6 +145,52 @@ int bmoe_rpcguard_install(void *set_abort, void *omp_in_parallel, int sig) {
     ((set_abort_fn)set_abort)(on_abort);
     installed = 1;
     return 0;
+}
+
+/* llama_model_params and llama_context_params, passed by value: more than 16 bytes, so
+ * the SysV x86-64 ABI passes them in memory, as it does an array of the same size and
+ * alignment (Python checks both sizes against its ctypes structures). */
+#define MODEL_PARAMS_WORDS 10
+#define CONTEXT_PARAMS_WORDS 20
+typedef struct { uint64_t w[MODEL_PARAMS_WORDS]; } model_params_t;
+typedef struct { uint64_t w[CONTEXT_PARAMS_WORDS]; } context_params_t;
+typedef void *(*load_fn)(const char *path, model_params_t params);
+typedef void *(*init_fn)(void *model, context_params_t params);
+
+int bmoe_rpcguard_params_words(int which) {
+    return which == 0 ? MODEL_PARAMS_WORDS : CONTEXT_PARAMS_WORDS;
+}
+
+/* llama_model_load_from_file(path, *params) under the guard; *ended set if it ended. */
+void *bmoe_rpcguard_load(void *load, const char *path, const model_params_t *params,
+                         int *ended) {
+    engine_thread = pthread_self();
+    atomic_store(&jumped, 0);
+    *ended = 0;
+    if (sigsetjmp(jump_env, 1) != 0) {
+        *ended = 1;
+        return NULL;
+    }
+    atomic_store(&armed, 1);
+    void *model = ((load_fn)load)(path, *params);
+    atomic_store(&armed, 0);
+    return model;
+}
+
+/* llama_init_from_model(model, *params) under the guard; *ended set if it ended. */
+void *bmoe_rpcguard_init(void *init, void *model, const context_params_t *params,
+                         int *ended) {
+    engine_thread = pthread_self();
+    atomic_store(&jumped, 0);
+    *ended = 0;
+    if (sigsetjmp(jump_env, 1) != 0) {
+        *ended = 1;
+        return NULL;
+    }
+    atomic_store(&armed, 1);
+    void *ctx = ((init_fn)init)(model, *params);
+    atomic_store(&armed, 0);
+    return ctx;
 }
 
 /* llama_decode(ctx, batch) then llama_synchronize(ctx) under the guard: the decode's
