@@ -295,6 +295,12 @@ def test_server_plan_lists_the_helpers_once_the_model_is_unloaded(
                        for d in helpers.values())
             names = [p["name"] for p in plan["memory"]["pools"]]
             assert str(a.endpoint) in names and str(b.endpoint) in names
+            # Where the server connects is not an API setting.
+            status, _, body = srv.request("PUT", "/api/config",
+                                          {"values": {"rpc": "10.9.9.9:50052"}})
+            assert "rpc" in body["rejected"] and "when the server starts" in body["rejected"]["rpc"]
+            assert srv.request("GET", "/api/config")[2]["values"]["rpc"] == \
+                f"{a.endpoint},{b.endpoint}"
         finally:
             srv.stop()
 
