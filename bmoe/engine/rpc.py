@@ -33,6 +33,7 @@ import ctypes
 import importlib
 import ipaddress
 import os
+import re
 import signal
 import socket
 import struct
@@ -299,7 +300,6 @@ def layer_bytes(path: str | os.PathLike[str]) -> list[int]:
     """Bytes of each repeating layer (blk.N.*) in file order, then of the output layer
     (output*.weight): the units llama.cpp's n_gpu_layers counts from the end."""
     import gguf
-    import re
     reader = gguf.GGUFReader(str(path))
     try:
         layers: dict[int, int] = {}
