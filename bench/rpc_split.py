@@ -85,7 +85,7 @@ class Machine:
     def __init__(self, index: int, limit: int, threads: int) -> None:
         tag = f"{os.getpid() % 100000}{index}"
         self.ns, self.veth = f"bmoe_rpcb_{tag}", f"bmr{tag}"
-        self.host_ip, self.ip = f"10.214.{index}.1", f"10.214.{index}.2"
+        self.host_ip, self.ip = f"10.216.{index}.1", f"10.216.{index}.2"
         self.port = 50052
         _ip("netns", "add", self.ns)
         _ip("link", "add", self.veth, "type", "veth", "peer", "name", self.veth + "n")

@@ -184,7 +184,7 @@ def test_two_capped_workers_give_the_single_process_tokens(split_model: Path) ->
 
 def test_worker_in_a_network_namespace_over_veth(split_model: Path) -> None:
     alone = _tokens(_cli(split_model))
-    with veth_namespace("rpc", "10.213.7") as peer:
+    with veth_namespace("rpc", f"10.215.{os.getpid() % 250}") as peer:
         with worker("ns", host=peer.ns_ip, netns=peer.ns, extra=("--allow-network",)) as w:
             held0 = w.memory()
             split = _tokens(_cli(split_model, "--rpc", str(w.endpoint)))
