@@ -27,6 +27,7 @@ from bmoe.engine import rpc
 from bmoe.modelmaker import make_model
 
 from _netns import veth_namespace
+from bmoe.engine.experts.layout import read_layout
 from conftest import start_server
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -180,6 +181,27 @@ def test_two_capped_workers_give_the_single_process_tokens(split_model: Path) ->
     # Each helper held its layers (about 2 of the 4 layers' ~16 MB each) in its own memory.
     weights = split_model.stat().st_size
     assert all(h > weights * 0.2 for h in held), (held, weights)
+
+
+def test_the_layers_left_here_stream_their_experts(split_model: Path) -> None:
+    """Two helpers hold the last layer and the output; the three layers left here stream
+    their experts through a cache smaller than them, and the tokens do not change."""
+    alone = _tokens(_cli(split_model))
+    with worker("s1") as a, worker("s2") as b:
+        out = _cli(split_model, "--rpc", f"{a.endpoint},{b.endpoint}", "--rpc-layers", "2",
+                   "--moe-stream", "--cache-mb", "4", "--force-cache")
+    assert _tokens(out) == alone
+    steps = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+             if line.startswith("BMOE_PROGRESS ")]
+    read = sum(step["read_mb"] for step in steps)
+    assert read > 0, "the local layers' experts were read through the cache"
+    # never more than the three local layers' routed experts per token (their reads
+    # rounded out to whole pages): one expert of the helper's layer read here would add
+    # a whole unit beyond that
+    layout = read_layout(split_model)
+    local = sum(layout.unit_bytes(layer) for layer in (0, 1, 2)) * layout.n_expert_used
+    most = max(step["read_mb"] for step in steps[1:]) * MIB
+    assert most < local + layout.unit_bytes(3), (steps, local)
 
 
 def test_worker_in_a_network_namespace_over_veth(split_model: Path) -> None:

@@ -325,10 +325,17 @@ def _rows() -> tuple[Param, ...]:
              "Other machines (HOST:PORT, comma-separated) that hold some of the model's "
              "layers in their memory.",
              "Each runs `bmoe-server rpc-worker`; the layers are shared among them by the "
-             "memory they report, and the expert streamer is off for such a load. Set at "
+             "memory they report (or by Layers on helpers), and the layers that stay here "
+             "stream their experts. Set at "
              "launch only: the protocol is unauthenticated, so where it connects is not "
              "an API setting.",
              "", launch_only=True),
+        _row("rpc-layers", "Layers on helpers", "int", "memory", "advanced",
+             "How many of the model's last layers the RPC helpers hold.",
+             "Counted from the end, as llama.cpp's -ngl counts (the output layer is one); "
+             "-1 gives them as many as fit the memory they report free. The layers that "
+             "stay here stream their experts through the cache.",
+             -1, min=-1, max=100000, special=(Named(-1, "by their memory"),)),
         _row("force-cache", "Force cache size", "bool", "diagnostics", "debug",
              "Accepts an expert cache smaller than one token cycle.",
              "The engine refuses such a cache because it hits 0 % and is slower than "

@@ -354,10 +354,20 @@ class RpcDevices:
         self._split = (ctypes.c_float * lc.llama_max_devices())()
         self._guard = _Guard()
 
-    def split_for(self, path: str | os.PathLike[str]) -> Split:
-        """The split of this load: the last layers that fit the helpers' memory."""
+    def split_for(self, path: str | os.PathLike[str], layers: int = -1) -> Split:
+        """The split of this load: the last `layers` layers (llama.cpp's n_gpu_layers), or
+        with -1 the last layers that fit the helpers' memory; shared by that memory."""
         self.layer_bytes = layer_bytes(path)
-        return split_by_memory(self.helpers, self.layer_bytes)
+        split = split_by_memory(self.helpers, self.layer_bytes)
+        if layers >= 0:
+            split = Split(min(layers, len(self.layer_bytes)), split.shares)
+        return split
+
+    def first_remote_layer(self, split: Split) -> int:
+        """The first repeating layer a helper holds (llama.cpp offloads the last
+        n_gpu_layers units, the output layer counted); the layer count if none."""
+        n_repeating = len(self.layer_bytes) - 1
+        return max(0, min(n_repeating, n_repeating + 1 - split.n_layers))
 
     def configure(self, params: Any, split: Split) -> None:
         """Put the helpers' devices and `split` into llama_model_params."""

@@ -170,20 +170,24 @@ class Session:
             raise LoadError(f"The model file {self.path} does not exist.")
         self.arch = ""
         endpoints = _rpc_endpoints(self.values)
+        split = None
         if endpoints:
-            # Layers on a helper are not in this process's memory, so the expert streamer
-            # (which rebinds expert tensors to its own buffers) stays off for such a load.
             from . import rpc
             self.rpc = rpc.RpcDevices(endpoints, rpc.reach(endpoints))
-            streamer_factory = None
+            split = self.rpc.split_for(self.path, int(self.values.get("rpc-layers", -1)))
         self.streamer = streamer_factory(self) if streamer_factory else None
+        if self.streamer is not None and self.rpc is not None and split is not None:
+            # A helper's layers are in its memory, not ours: the streamer keeps the others.
+            keep = getattr(self.streamer, "keep_layers_below", None)
+            if keep is None or not keep(self.rpc.first_remote_layer(split)):
+                self.streamer = None
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.load_mode = lc.LLAMA_LOAD_MODE_MMAP
         if self.streamer is not None:
             self.streamer.configure_model_params(mparams)
-        if self.rpc is not None:
-            self.rpc.configure(mparams, self.rpc.split_for(self.path))
+        if self.rpc is not None and split is not None:
+            self.rpc.configure(mparams, split)
         path = str(self.path).encode()
         self.model = (self.rpc.load_model(path, mparams) if self.rpc is not None
                       else lc.llama_model_load_from_file(path, mparams))

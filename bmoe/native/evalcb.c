@@ -68,6 +68,7 @@ typedef struct {
     uint64_t route_calls;      /* data-phase calls (one per MoE layer and graph) */
     int32_t *rec;              /* Python's [rec_layers][rec_k] rows: a one-token graph's */
     int32_t rec_layers, rec_k; /* routing, written here while resident (routing records) */
+    int32_t local_layers;      /* layers from here on are held by an RPC helper: not ours */
 } state_t;
 
 static const char TOPK[] = "ffn_moe_topk-";
@@ -103,7 +104,18 @@ EXPORT int bmoe_evalcb_init(void *state, const int64_t *lay, int32_t count, rout
     st->route = route;
     st->bind = bind;
     st->binding = binding ? 1 : 0;
+    st->local_layers = INT32_MAX;
     st->magic = STATE_MAGIC;
+    return 0;
+}
+
+/* Layers `n` and after are held by RPC helpers (their data is not in this process): their
+ * routing nodes are not asked for. */
+EXPORT int bmoe_evalcb_local(void *state, int32_t n) {
+    state_t *st = state;
+    if (!st || n < 0)
+        return -1;
+    st->local_layers = n;
     return 0;
 }
 
@@ -223,8 +235,10 @@ EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
     if (ask) {
         st->asks++;
         int32_t op = *(const int32_t *)(p + st->op);
-        if (op == st->op_view)
-            return strncmp(p + st->name, TOPK, TOPK_LEN) == 0;
+        if (op == st->op_view) {
+            int32_t layer = topk_layer(p + st->name);
+            return layer >= 0 && layer < st->local_layers;
+        }
         if (op == st->op_mul_mat_id && st->binding) {
             st->bind_calls++;
             if (st->bind(node) == 0)

@@ -69,6 +69,8 @@ def _library() -> ctypes.CDLL:
         lib.bmoe_evalcb_resident.restype = ctypes.c_int
         lib.bmoe_evalcb_resident.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                              ctypes.c_int32]
+        lib.bmoe_evalcb_local.restype = ctypes.c_int
+        lib.bmoe_evalcb_local.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.bmoe_evalcb_record.restype = ctypes.c_int
         lib.bmoe_evalcb_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                            ctypes.c_int32]
@@ -134,6 +136,10 @@ class NativeCallback:
         routing with ids in range is only counted in C (`resident_routes`,
         `resident_hits`: the distinct experts it used). False if C refused."""
         return self.lib.bmoe_evalcb_resident(self._state, int(on), n_layer, n_expert) == 0
+
+    def local_layers(self, n: int) -> bool:
+        """Layers `n` and after are held by RPC helpers: their routing is not asked for."""
+        return self.lib.bmoe_evalcb_local(self._state, n) == 0
 
     def record(self, rows: Any | None) -> bool:
         """While resident, write each one-token graph's routing into `rows` (an int32

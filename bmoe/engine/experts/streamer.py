@@ -62,6 +62,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,7 @@ class ExpertStreamer:
         self.values = dict(values)
         self.dense_mode = str(values.get("dense-weights", "anon"))
         self._record_routing = False          # keep every decode token's routing
+        self.local_below: int | None = None   # layers from here on are an RPC helper's
         self.routing: list[np.ndarray] = []   # [n_layer_with_experts, n_expert_used] per token
         self.cache: ExpertCache | NoCache | None = None
         self.budget = Budget(0, "off", 0)
@@ -153,6 +155,18 @@ class ExpertStreamer:
         self._rec_rows: np.ndarray | None = None   # the C side's routing rows, while resident
         self.load_info: dict[str, Any] = {}
 
+    def keep_layers_below(self, first_remote: int) -> bool:
+        """Stream only the experts of layers below `first_remote` (the ones after it are
+        held by RPC helpers, in their memory); False when none is left here."""
+        local = tuple(t for t in self.layout.experts if t.layer < first_remote)
+        if not local:
+            return False
+        self.local_below = first_remote
+        self.layout = replace(self.layout, experts=local,
+                              routers=tuple(r for r in self.layout.routers
+                                            if r[0] < first_remote))
+        return True
+
     @property
     def record_routing(self) -> bool:
         return self._record_routing
@@ -179,6 +193,8 @@ class ExpertStreamer:
         if not why:
             try:
                 self.native = evalcb.NativeCallback(self._route_native, self._bind_native)
+                if self.local_below is not None:
+                    self.native.local_layers(self.local_below)
             except evalcb.NativeUnavailable as e:
                 why = f"python: {e}"
         if self.native is not None:
@@ -284,7 +300,8 @@ class ExpertStreamer:
             if ask:
                 op = ggml.op_of(t)
                 if op == ggml.GGML_OP_VIEW:
-                    return ggml.name_of(t).startswith(_TOPK)
+                    name = ggml.name_of(t)
+                    return name.startswith(_TOPK) and self._is_local(name)
                 if op == ggml.GGML_OP_MUL_MAT_ID and self._unbound:
                     self._bind(t)
                 return False
@@ -294,6 +311,13 @@ class ExpertStreamer:
             if self._failure is None:
                 self._failure = f"Expert streaming failed: {e}"
             return False
+
+    def _is_local(self, topk_name: bytes) -> bool:
+        """Whether the layer of an `ffn_moe_topk-<l>` node is held here (not by a helper)."""
+        if self.local_below is None:
+            return True
+        tail = topk_name[len(_TOPK):]
+        return tail.isdigit() and int(tail) < self.local_below
 
     def _bind_native(self, node: int) -> int:
         """The native callback's MUL_MAT_ID ask: rebind; how many tensors remain unbound
@@ -326,10 +350,11 @@ class ExpertStreamer:
         """Every expert is in memory and nothing will evict or read one: the model fits
         the cache, no read-ahead, no routing record, every tensor rebound."""
         cache = self.cache
+        local = self.layout.layers
         return (isinstance(cache, ExpertCache) and self.predictor is None
                 and not self._unbound
                 and self.budget.bytes >= self.layout.expert_bytes
-                and bool(cache.resident.all()) and not cache.pinned.any())
+                and bool(cache.resident[list(local)].all()) and not cache.pinned.any())
 
     def _enter_resident(self) -> None:
         """Let the native callback count the routings itself (no Python per layer)."""
