@@ -73,7 +73,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         out["plan"] = {k: body[k] for k in ("regime", "values", "predicted", "machine")}
         out["plan"]["hit_source"] = next((d["source"] for d in body["decisions"]
                                           if d["knob"] == "hit-curve"), "")
-        values.update(plan.values)
+        # the plan as it predicted: without the first answer's trial of another thread
+        # count or overlap (bmoe/engine/calibrate.py), which changes them mid-run
+        values.update({k: v for k, v in plan.values.items() if not k.startswith("trial-")})
     out["values"] = {k: values[k] for k in ("moe-stream", "cache-mb", "threads",
                                             "io-threads", "ctx-size")}
     s = Session(spec["model"], values, streamer_factory)
