@@ -213,19 +213,28 @@ def cost_key(values: dict[str, Any]) -> str:
     return "|".join(parts)
 
 
-def read_costs(file: Path) -> tuple[dict[str, dict[str, float]], str]:
+def _read_json(file: Path, cap: int, what: str) -> tuple[Any, str]:
+    """A small JSON file kept beside the record: (data, ""), or (None, a warning; empty
+    when the file is simply not there)."""
     try:
         raw = file.read_bytes()
     except FileNotFoundError:
-        return {}, ""
+        return None, ""
     except OSError as e:
-        return {}, _warn(file, f"cannot be read ({e.strerror or 'input/output error'})")
-    if len(raw) > COST_CAP:
-        return {}, _warn(file, "is larger than a cost record can be")
+        return None, _warn(file, f"cannot be read ({e.strerror or 'input/output error'})")
+    if len(raw) > cap:
+        return None, _warn(file, f"is larger than {what} can be")
     try:
         data = json.loads(raw)
     except ValueError:
-        return {}, _warn(file, "is not JSON")
+        return None, _warn(file, "is not JSON")
+    return (data, "") if data is not None else (None, _warn(file, f"is not {what}"))
+
+
+def read_costs(file: Path) -> tuple[dict[str, dict[str, float]], str]:
+    data, warning = _read_json(file, COST_CAP, "a cost record")
+    if data is None:
+        return {}, warning
     if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
         return {}, _warn(file, "is not a cost record")
     out: dict[str, dict[str, float]] = {}
@@ -258,18 +267,9 @@ def trial_path(folder: Path, path: str | os.PathLike[str], size: int) -> Path:
 def read_trial(file: Path) -> tuple[dict[str, Any] | None, str]:
     """The kept calibration verdict: ``{threads, overlap, arms, threads_measured,
     overlap_measured}``, or None (and a warning when the file is there but unusable)."""
-    try:
-        raw = file.read_bytes()
-    except FileNotFoundError:
-        return None, ""
-    except OSError as e:
-        return None, _warn(file, f"cannot be read ({e.strerror or 'input/output error'})")
-    if len(raw) > TRIAL_CAP:
-        return None, _warn(file, "is larger than a calibration verdict can be")
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None, _warn(file, "is not JSON")
+    data, warning = _read_json(file, TRIAL_CAP, "a calibration verdict")
+    if data is None:
+        return None, warning
     arms = data.get("arms") if isinstance(data, dict) else None
     if not isinstance(arms, list) or not arms or not all(
             isinstance(a, dict) and type(a.get("threads")) is int and a["threads"] > 0
