@@ -251,3 +251,25 @@ def test_a_busy_machine_gets_the_cores_other_programs_leave_free() -> None:
     body = make_plan(PlanInputs(moe_facts(), memory(2 * GIB), STORAGE, quiet, values,
                                 [])).to_json()
     assert body["values"]["threads"] == 2
+
+
+def test_reads_priced_as_the_engine_batches_them() -> None:
+    """A layer's misses are read as one batch and waited for: when small batches leave
+    lanes idle, the read time is the batches', not bytes at the full-queue rate."""
+    facts = moe_facts()
+    fast = plan_for(facts, memory(2 * GIB)).to_json()["predicted"]["s_per_token"]
+    slow_batches = StorageFacts(block=MIB, rates=dict(STORAGE.rates), batch_lanes=4,
+                                batch_s={1: 0.004, 2: 0.005, 4: 0.006, 8: 0.012, 16: 0.024})
+    assert slow_batches.batch_seconds(3) == pytest.approx(0.0055)
+    assert slow_batches.batch_seconds(32) == pytest.approx(0.048)
+    assert slow_batches.batch_seconds(0.5) == pytest.approx(0.002)
+    plan = make_plan(PlanInputs(facts, memory(2 * GIB), slow_batches, COMPUTE,
+                                params.defaults(server=True), []))
+    slow = plan.to_json()["predicted"]["s_per_token"]
+    assert slow > fast
+    # batches as fast as the full queue change nothing
+    quick = StorageFacts(block=MIB, rates=dict(STORAGE.rates), batch_lanes=4,
+                         batch_s={n: n * MIB / 720 / MIB for n in (1, 2, 4, 8, 16)})
+    plan = make_plan(PlanInputs(facts, memory(2 * GIB), quick, COMPUTE,
+                                params.defaults(server=True), []))
+    assert plan.to_json()["predicted"]["s_per_token"] == pytest.approx(fast, rel=0.02)

@@ -517,6 +517,8 @@ def _predict(b: _Builder, regime: str, cache: int, budget: int,
         hit, source, text = _hit(b, cache)
         b.add("hit-curve", round(hit * 100, 1), source, text)
         io = p.token_cycle_bytes * (1 - hit) / rate_s if rate_s else 0.0
+        batched = _batched_read_s(inp, hit)
+        io = max(io, batched)
         settings = {**inp.values, **b.values}
         overlap = bool(settings.get("overlap")) and int(settings.get("prefetch") or 0) > 0
         # with read-ahead overlapped, a layer's reads run beside the layers computing
@@ -544,6 +546,19 @@ def _predict(b: _Builder, regime: str, cache: int, budget: int,
         if measured.get("cache_hit_pct", -1) >= 0 and "cache_hit_pct" in out:
             out["cache_hit_pct"] = round(measured["cache_hit_pct"], 1)
     return out
+
+
+def _batched_read_s(inp: PlanInputs, hit: float) -> float:
+    """A token's read time as the engine reads: each MoE layer's misses (one block per
+    expert tensor of each missed expert) as one batch, waited for before the layer
+    computes (blocks of the probe's size: one expert's slice of one tensor). Small batches
+    leave lanes idle, so this can exceed bytes ÷ full-queue rate."""
+    p, st = inp.facts.probe, inp.storage
+    if not st.batch_s or not p.n_moe_layer or not p.n_expert_used or not st.block:
+        return 0.0
+    unit = p.token_cycle_bytes / max(1, p.n_expert_used * p.n_moe_layer)  # one expert
+    reads = p.n_expert_used * (1 - hit) * unit / st.block      # blocks one layer misses
+    return p.n_moe_layer * st.batch_seconds(reads)
 
 
 def _ledger(b: _Builder, regime: str, cache: int, kv: int, budget: int) -> list[dict[str, Any]]:

@@ -40,6 +40,8 @@ ALIGN = 4096
 NO_LIMIT = 1 << 60                 # cgroup v1 writes "no limit" as a number near 2^63
 STORAGE_SECONDS_PER_LANE = 0.35    # each lane count reads for this long
 STORAGE_LANES = (1, 2, 4)
+STORAGE_BATCHES = (1, 2, 4, 8, 16)  # reads per batch: one layer's misses, then a wait
+STORAGE_SECONDS_PER_BATCH = 0.2     # each batch size is timed for this long
 STORAGE_MIN_BLOCK = 64 * 1024
 STORAGE_MAX_BLOCK = 8 * MIB
 COMPUTE_SECONDS_PER_COUNT = 0.3    # each thread count multiplies for this long
@@ -244,6 +246,10 @@ def _v2(group: Path) -> tuple[int | None, int | None]:
 class StorageFacts:
     block: int = 0
     rates: dict[int, float] = field(default_factory=dict)   # lanes -> bytes/s
+    # reads per batch -> seconds per batch, over `batch_lanes` lanes, each batch waited
+    # for before the next (as the engine reads one layer's misses, then computes)
+    batch_s: dict[int, float] = field(default_factory=dict)
+    batch_lanes: int = 0
     odirect: bool = True
     reason: str = ""                                        # why unprobed
 
@@ -262,6 +268,20 @@ class StorageFacts:
         below = [n for n in self.rates if n <= lanes]
         return self.rates[max(below)] if below else self.rates[min(self.rates)]
 
+    def batch_seconds(self, reads: float) -> float:
+        """Seconds to read `reads` blocks as one waited-for batch (interpolated between the
+        measured batch sizes, linear beyond the largest); 0 when not measured."""
+        if not self.batch_s or reads <= 0:
+            return 0.0
+        sizes = sorted(self.batch_s)
+        if reads <= sizes[0]:
+            return self.batch_s[sizes[0]] * reads / sizes[0]
+        for a, b in zip(sizes, sizes[1:], strict=False):
+            if reads <= b:
+                w = (reads - a) / (b - a)
+                return self.batch_s[a] * (1 - w) + self.batch_s[b] * w
+        return self.batch_s[sizes[-1]] * reads / sizes[-1]
+
     def figure(self) -> Figure:
         if not self.rates:
             return Figure(0, "unprobed", self.reason or "storage was not measured")
@@ -276,6 +296,8 @@ class StorageFacts:
     def to_json(self) -> dict[str, Any]:
         return {"block": self.block, "odirect": self.odirect,
                 "rates": {str(k): round(v) for k, v in sorted(self.rates.items())},
+                "batch_ms": {str(k): round(v * 1000, 3) for k, v in sorted(self.batch_s.items())},
+                "batch_lanes": self.batch_lanes,
                 "best_lanes": self.best_lanes, "reason": self.reason}
 
 
@@ -333,8 +355,46 @@ def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
                 out.reason = "the model's file could not be read with direct reads"
                 break
             out.rates[n] = rate
+        if out.rates and not (cancel is not None and cancel.is_set()):
+            out.batch_lanes = out.best_lanes
+            out.batch_s = _batches(fd, regions, block, out.batch_lanes, rng)
     finally:
         os.close(fd)
+    return out
+
+
+def _batches(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
+             rng: random.Random) -> dict[int, float]:
+    """Seconds per batch of n random block reads over `lanes` threads, each batch waited
+    for before the next: the engine's pattern (one layer's misses, then compute)."""
+    from concurrent.futures import ThreadPoolExecutor
+    bufs = [mmap.mmap(-1, block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for _ in range(max(STORAGE_BATCHES))]
+    out: dict[int, float] = {}
+
+    def read(i: int, off: int) -> int:
+        return os.preadv(fd, [bufs[i]], off)
+
+    try:
+        with ThreadPoolExecutor(max(1, lanes), thread_name_prefix="bmoe-plan-batch") as pool:
+            for n in STORAGE_BATCHES:
+                count, t0 = 0, time.perf_counter()
+                deadline = t0 + STORAGE_SECONDS_PER_BATCH
+                while time.perf_counter() < deadline or count == 0:
+                    offs = []
+                    for _ in range(n):
+                        start, length = rng.choice(regions)
+                        offs.append(start + rng.randrange(0, (length - block) // ALIGN + 1)
+                                    * ALIGN)
+                    for f in [pool.submit(read, i, off) for i, off in enumerate(offs)]:
+                        f.result()
+                    count += 1
+                out[n] = (time.perf_counter() - t0) / count
+    except OSError:
+        return {}
+    finally:
+        for b in bufs:
+            b.close()
     return out
 
 
