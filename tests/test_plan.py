@@ -235,7 +235,7 @@ def test_a_hostile_or_truncated_record_is_ignored_with_a_warning(
 
 def test_the_default_curve_is_stated() -> None:
     assert default_hit_rate(100, 1000, 200) == 0.0          # below one token cycle
-    assert default_hit_rate(250, 1000, 100) == pytest.approx(0.5)
+    assert default_hit_rate(250, 1000, 100) == pytest.approx(0.25 ** 0.35)
     assert default_hit_rate(2000, 1000, 100) == 1.0
 
 

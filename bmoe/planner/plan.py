@@ -499,7 +499,7 @@ def _hit(b: _Builder, cache: int) -> tuple[float, str, str]:
     if b.inp.record_warning:
         why = "its routing record was ignored"
     return hit, "policy", (f"{hit:.0%} hits at {size_text(cache)}: the default curve "
-                           f"(the cache's share of the experts to the power 0.5; {why}).")
+                           f"(the cache's share of the experts to the power 0.35; {why}).")
 
 
 def _predict(b: _Builder, regime: str, cache: int, budget: int,
