@@ -111,7 +111,7 @@ def run_streamed(model: Path, tokens: list[int], args: argparse.Namespace) -> di
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default="/work/benchmodels")
+    p.add_argument("--dir", default=os.path.expanduser("~/.cache/bmoe-bench"))
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--tokens", type=int, default=64, help="tokens teacher-forced per session")

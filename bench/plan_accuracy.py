@@ -147,6 +147,7 @@ def make_model(args: argparse.Namespace) -> Path:
     path = Path(args.dir) / f"plan-bench-{args.layers}x64-top4-f16.gguf"
     if path.exists() and args.keep:
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     write(path, n_layer=args.layers, n_expert=64, n_expert_used=4, n_embd=1024,
           n_ff_exp=512, n_head=8, n_head_kv=4, head_dim=128, dtype="f16",
@@ -206,7 +207,7 @@ def report(results: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--dir", default="/work/benchmodels")
+    p.add_argument("--dir", default=os.path.expanduser("~/.cache/bmoe-bench"))
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--caps", default="0.25,0.40,0.70")
     p.add_argument("--tokens", type=int, default=24)

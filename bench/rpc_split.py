@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import MIB, MemoryCap, drop_caches  # noqa: E402
-from stream_vs_mmap import TEXT, make_bench_model, run_one  # noqa: E402
+from stream_vs_mmap import TEXT, add_model_args, make_bench_model, run_one  # noqa: E402
 
 
 # -- the split run's main process ----------------------------------------------------------
@@ -172,15 +172,7 @@ def run_split(model: Path, args: argparse.Namespace, limit: int) -> dict[str, An
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--split-worker", help=argparse.SUPPRESS)
-    p.add_argument("--dir", default="/work/benchmodels")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--embd", type=int, default=1024)
-    p.add_argument("--ff-exp", type=int, default=512)
-    p.add_argument("--dtype", default="f16")
-    p.add_argument("--router-skew", type=float, default=1.5)
-    p.add_argument("--context-mix", type=float, default=1.5)
+    add_model_args(p)
     p.add_argument("--tokens", type=int, default=24, help="tokens teacher-forced per run")
     p.add_argument("--mmap-tokens", type=int, default=10,
                    help="tokens of the mmap run (seconds each under the cap)")

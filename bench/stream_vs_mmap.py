@@ -125,6 +125,22 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 # -- the parent ----------------------------------------------------------------------------
 
+BENCH_DIR = os.path.expanduser("~/.cache/bmoe-bench")   # where the benchmark models go
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The benchmark MoE's shape and folder: the flags every bench that uses it takes."""
+    p.add_argument("--dir", default=BENCH_DIR, help=f"the models' folder (default {BENCH_DIR})")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--embd", type=int, default=1024)
+    p.add_argument("--ff-exp", type=int, default=512)
+    p.add_argument("--dtype", default="f16")
+    p.add_argument("--router-skew", type=float, default=1.5)
+    p.add_argument("--context-mix", type=float, default=1.5)
+
+
 def make_bench_model(args: argparse.Namespace) -> Path:
     from bmoe.modelmaker import make_model
 
@@ -133,6 +149,7 @@ def make_bench_model(args: argparse.Namespace) -> Path:
     if path.exists() and args.keep:
         print(f"model: reusing {path}", flush=True)
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     make_model(path, n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
                n_embd=args.embd, n_ff_exp=args.ff_exp, n_head=8, n_head_kv=4, head_dim=128,
@@ -203,15 +220,7 @@ def warm_page_cache(path: Path) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--dir", default="/work/benchmodels")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--embd", type=int, default=1024)
-    p.add_argument("--ff-exp", type=int, default=512)
-    p.add_argument("--dtype", default="f16")
-    p.add_argument("--router-skew", type=float, default=1.5)
-    p.add_argument("--context-mix", type=float, default=1.5)
+    add_model_args(p)
     p.add_argument("--tokens", type=int, default=70, help="tokens teacher-forced per run")
     p.add_argument("--mmap-tokens", type=int, default=24,
                    help="tokens of the mmap run (seconds each under the cap)")
