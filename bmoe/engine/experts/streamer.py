@@ -117,6 +117,8 @@ class ExpertStreamer:
         self.dense_mode = str(values.get("dense-weights", "anon"))
         self._record_routing = False          # keep every decode token's routing
         self.local_below: int | None = None   # layers from here on are an RPC helper's
+        self._expert_bytes = 0
+        self._layer_ids: list[int] = []
         self.routing: list[np.ndarray] = []   # [n_layer_with_experts, n_expert_used] per token
         self.cache: ExpertCache | NoCache | None = None
         self.budget = Budget(0, "off", 0)
@@ -220,6 +222,8 @@ class ExpertStreamer:
         cycle, total = self.layout.token_cycle_bytes, self.layout.expert_bytes
         self.budget = resolve(self.values, token_cycle=cycle, all_bytes=total, extra_held=held)
         self._make_buffers()
+        self._expert_bytes = self.layout.expert_bytes
+        self._layer_ids = list(self.layout.layers)      # the layers streamed here
         unit = np.array([self.layout.unit_bytes(i) for i in range(self.layout.n_layer)])
         policy = str(self.values.get("cache-policy") or DEFAULT_POLICY)
         self.cache = (NoCache(self.layout.n_layer, unit) if self.budget.bytes == 0
@@ -348,13 +352,12 @@ class ExpertStreamer:
 
     def _all_resident_for_good(self) -> bool:
         """Every expert is in memory and nothing will evict or read one: the model fits
-        the cache, no read-ahead, no routing record, every tensor rebound."""
+        the cache, no read-ahead, every tensor rebound (asked per routed layer until it
+        holds: the cheap checks first, the layout's figures read once at attach)."""
         cache = self.cache
-        local = self.layout.layers
         return (isinstance(cache, ExpertCache) and self.predictor is None
-                and not self._unbound
-                and self.budget.bytes >= self.layout.expert_bytes
-                and bool(cache.resident[list(local)].all()) and not cache.pinned.any())
+                and not self._unbound and self.budget.bytes >= self._expert_bytes
+                and bool(cache.resident[self._layer_ids].all()) and not cache.pinned.any())
 
     def _enter_resident(self) -> None:
         """Let the native callback count the routings itself (no Python per layer)."""
