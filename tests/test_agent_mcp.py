@@ -31,6 +31,7 @@ from test_agent_e2e import (Scripted, api, conversation, kinds, provider,  # noq
 from test_agent_part2_network import KEY, own_address, request
 
 from bmoe.agent import mcp
+from _netns import skip_outside_ci
 
 SERVER_SCRIPT = str(Path(__file__).with_name("mcp_test_server.py"))
 
@@ -426,7 +427,7 @@ def test_restart_route_and_a_malformed_config(tmp_path: Path) -> None:
 def test_a_network_peer_sees_no_mcp_servers(tmp_path: Path) -> None:
     ip = own_address()
     if ip is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+        skip_outside_ci("this machine has no non-loopback IPv4 address")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mcp.json").write_text(config(demo=stdio()))
     (tmp_path / "key").write_text(KEY)
