@@ -1,6 +1,6 @@
 """Does the planner predict its own speed, and does it pick well? Under real memory caps.
 
-    sudo .venv/bin/python bench/plan_accuracy.py          # about 15 minutes here, busy
+    sudo .venv/bin/python bench/plan_accuracy.py          # about 3 minutes here, quiet
 
 Writes the benchmark MoE of bench/stream_vs_mmap.py (qwen3moe, 64 experts, top-4, F16,
 router skew and local context; `--layers` sets its size), then for each memory cap
@@ -70,7 +70,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                        routing_dir=Path(spec["routing"]))
         body = plan.to_json()
         out["plan_s"] = time.monotonic() - t0
-        out["plan"] = {k: body[k] for k in ("regime", "values", "predicted", "machine")}
+        out["plan"] = {k: body[k] for k in ("regime", "values", "predicted", "machine",
+                                            "measurements")}
         out["plan"]["hit_source"] = next((d["source"] for d in body["decisions"]
                                           if d["knob"] == "hit-curve"), "")
         # the plan as it predicted: without the first answer's trial of another thread
@@ -85,7 +86,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = s.tokenize(TEXT)[: spec["tokens"]]
     cancel = threading.Event()
     walls: list[float] = []
+    before: dict[str, Any] = {}
     for i in range(1, len(tokens) + 1):
+        if st is not None and i == spec["warmup"] + 1:
+            before = st.stats()
         if st is not None:
             st.token_begin()
         t = time.perf_counter()
@@ -96,6 +100,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["walls"] = walls
     if st is not None:
         out["hit_pct"] = st.summary()["cache_hit_pct"]
+        after, n = st.stats(), max(1, len(tokens) - spec["warmup"])
+        # per timed token: the reads waited for, and the rest (compute and callbacks)
+        out["read_s"] = (after["io_s"] - before.get("io_s", 0.0)) / n
+        out["read_mib"] = (after["read_bytes"] - before.get("read_bytes", 0)) / n / (1 << 20)
+        timed = sum(walls[spec["warmup"]:]) / n
+        out["other_s"] = timed - out["read_s"]
         if spec.get("keep_routing"):
             from bmoe.planner.probes import model_facts
             from bmoe.planner.routing import append_record, record_path
@@ -133,11 +143,17 @@ def run(name: str, spec: dict[str, Any], cap: MemoryCap, args: argparse.Namespac
     line = (f"  {name:14s} cache {v['cache-mb']!s:>6} MiB  threads {v['threads']}  "
             f"median {res['median']:.4f} s/tok  hits {res.get('hit_pct', -1):5.1f} %  "
             f"peak {res['peak_mib']:.0f} MiB")
+    if "read_s" in res:
+        line += (f"\n  {'':14s} per timed token: reads waited {res['read_s']:.4f} s "
+                 f"({res['read_mib']:.1f} MiB), the rest {res['other_s']:.4f} s (mean)")
     if "plan" in res:
-        pred = res["plan"]["predicted"].get("s_per_token", 0.0)
+        pr = res["plan"]["predicted"]
+        pred = pr.get("s_per_token", 0.0)
         res["ratio"] = pred / res["median"] if res["median"] else 0.0
-        line += (f"  predicted {pred:.4f} ({res['ratio']:.2f}x of measured, hit curve "
-                 f"{res['plan']['hit_source']}, planning {res['plan_s']:.1f} s)")
+        line += (f"\n  {'':14s} predicted {pred:.4f} ({res['ratio']:.2f}x of measured; "
+                 f"reads {pr.get('read_s', 0):.4f} s, compute {pr.get('compute_s', 0):.4f} s, "
+                 f"hits {pr.get('cache_hit_pct', 0):.1f} % from the {res['plan']['hit_source']} "
+                 f"curve; planning {res['plan_s']:.1f} s)")
     print(line, flush=True)
     return res
 
@@ -163,7 +179,8 @@ def one_cap(frac: float, model: Path, routing: Path, args: argparse.Namespace) -
     print(f"cap {frac:.0%}: {limit / 2**30:.2f} GiB of a {size / 2**30:.2f} GiB file "
           f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     cap = MemoryCap(f"bmoe-plan-bench-{os.getpid()}-{int(frac * 100)}", limit)
-    base = {"model": str(model), "tokens": args.tokens, "routing": str(routing)}
+    base = {"model": str(model), "tokens": args.tokens, "warmup": args.warmup,
+            "routing": str(routing)}
     out: dict[str, Any] = {"limit": limit}
     try:
         for f in routing.glob("*"):
@@ -208,9 +225,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--dir", default=os.path.expanduser("~/.cache/bmoe-bench"))
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--layers", type=int, default=12)
     p.add_argument("--caps", default="0.25,0.40,0.70")
-    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--run-timeout", type=float, default=400.0)
     p.add_argument("--keep", action="store_true")

@@ -1,6 +1,13 @@
 """Tokens/s of the tiny MoE: a bare llama-cpp-python loop vs bmoe's engine vs bmoe-server.
 
     python bench/serve_vs_bare.py [--tokens 2000] [--runs 3]
+    python bench/serve_vs_bare.py --model M.gguf --tokens 200 --warmup 300 --no-python
+
+`--model` measures another model than the tiny MoE (for instance the 12-layer benchmark
+MoE of bench/plan_accuracy.py, 2.33 GiB, which fits this machine's memory); `--warmup N`
+first answers N tokens in the same session (engine and server alike), so the measured
+answer starts with the caches as a long session has them; `--no-python` skips the Python
+graph callback's runs (slow on a large model).
 
 Baseline (measured in the same run): a bare greedy loop over llama-cpp-python's
 low-level API (sample, decode one token, repeat) with the same model, context and
@@ -37,6 +44,7 @@ from bmoe.engine.session import Session  # noqa: E402
 from bmoe.engine.turn import TurnRequest, prepare, run_turn  # noqa: E402
 
 PROMPT = "Tell me a long story about the sea."
+WARMUP_PROMPT = "Describe the mountains in winter."
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 N_CTX = 4096
 
@@ -72,7 +80,7 @@ def bare_loop(model_path: Path, prompt_tokens: list[int], n: int) -> float:
 
 
 def engine_loop(model_path: Path, n: int, *, moe_stream: bool = False,
-                python_callback: bool = False) -> tuple[float, list[int]]:
+                python_callback: bool = False, warmup: int = 0) -> tuple[float, list[int]]:
     values: dict[str, object] = {"ctx-size": N_CTX, "threads": THREADS}
     if moe_stream:      # the server's defaults for a MoE file: streaming, cache-mb auto
         values.update({"moe-stream": True, "cache-mb": "auto"})
@@ -86,6 +94,10 @@ def engine_loop(model_path: Path, n: int, *, moe_stream: bool = False,
         if before is not None:
             os.environ["BMOE_EVAL_CALLBACK"] = before
     try:
+        if warmup:
+            w = TurnRequest(messages=[{"role": "user", "content": WARMUP_PROMPT}],
+                            max_tokens=warmup, think=False)
+            run_turn(s, prepare(s, w), w, threading.Event(), lambda ev, rec: None)
         req = TurnRequest(messages=[{"role": "user", "content": PROMPT}], max_tokens=n,
                           think=False)
         p = prepare(s, req)
@@ -97,7 +109,7 @@ def engine_loop(model_path: Path, n: int, *, moe_stream: bool = False,
 
 
 def server_stream(model_path: Path, n: int, *, moe_stream: bool,
-                  python_callback: bool = False) -> float:
+                  python_callback: bool = False, warmup: int = 0) -> float:
     data = Path(tempfile.mkdtemp(prefix="bmoe-bench-"))
     env = dict(os.environ)
     env.pop("BMOE_EVAL_CALLBACK", None)
@@ -118,7 +130,13 @@ def server_stream(model_path: Path, n: int, *, moe_stream: bool,
             if json.loads(c.getresponse().read())["state"] == "ready":
                 break
             time.sleep(0.05)
-        c = http.client.HTTPConnection(host, int(port), timeout=300)
+        c = http.client.HTTPConnection(host, int(port), timeout=600)
+        if warmup:
+            c.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                      body=json.dumps({"messages": [{"role": "user", "content": WARMUP_PROMPT}],
+                                       "max_tokens": warmup,
+                                       "chat_template_kwargs": {"enable_thinking": False}}))
+            c.getresponse().read()
         body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": n,
                            "stream": True, "chat_template_kwargs": {"enable_thinking": False}})
         c.request("POST", "/v1/chat/completions", body=body,
@@ -146,28 +164,43 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--model", help="a GGUF MoE to measure instead of the tiny one")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="tokens answered first in the same session, not timed")
+    ap.add_argument("--no-python", action="store_true",
+                    help="skip the runs with the Python graph callback")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bmoe-bench-model-"))
-    model = make_model(tmp / "tiny-moe.gguf")  # 4 layers, 8 experts, top-2, 64 wide
+    if args.model:
+        model = Path(args.model)
+        shape = f"{model.stat().st_size / 2**30:.2f} GiB"
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="bmoe-bench-model-"))
+        model = make_model(tmp / "tiny-moe.gguf")  # 4 layers, 8 experts, top-2, 64 wide
+        shape = "qwen3moe, 4 layers, 8 experts, top-2, 64 wide"
+    w = args.warmup
     bare, eng, srv, srv_streamed, srv_python = [], [], [], [], []
     eng_native, eng_python = [], []
     for _ in range(args.runs):
-        e, prompt_tokens = engine_loop(model, args.tokens)
+        e, prompt_tokens = engine_loop(model, args.tokens, warmup=w)
         eng.append(e)
-        eng_native.append(engine_loop(model, args.tokens, moe_stream=True)[0])
-        eng_python.append(engine_loop(model, args.tokens, moe_stream=True,
-                                      python_callback=True)[0])
+        eng_native.append(engine_loop(model, args.tokens, moe_stream=True, warmup=w)[0])
+        if not args.no_python:
+            eng_python.append(engine_loop(model, args.tokens, moe_stream=True,
+                                          python_callback=True, warmup=w)[0])
         bare.append(bare_loop(model, prompt_tokens, args.tokens))
-        srv.append(server_stream(model, args.tokens, moe_stream=False))
-        srv_streamed.append(server_stream(model, args.tokens, moe_stream=True))
-        srv_python.append(server_stream(model, args.tokens, moe_stream=True,
-                                        python_callback=True))
-    b, e, s, x, y = (statistics.median(v) for v in (bare, eng, srv, srv_streamed, srv_python))
-    print(f"model: {model.name} (qwen3moe, 4 layers, 8 experts, top-2, 64 wide), "
-          f"{args.tokens} tokens, {THREADS} threads, median of {args.runs}")
+        srv.append(server_stream(model, args.tokens, moe_stream=False, warmup=w))
+        srv_streamed.append(server_stream(model, args.tokens, moe_stream=True, warmup=w))
+        if not args.no_python:
+            srv_python.append(server_stream(model, args.tokens, moe_stream=True,
+                                            python_callback=True, warmup=w))
+    nan = [float("nan")]
+    b, e, s, x, y = (statistics.median(v or nan)
+                     for v in (bare, eng, srv, srv_streamed, srv_python))
+    print(f"model: {model.name} ({shape}), {args.tokens} tokens after {w} of warm-up, "
+          f"{THREADS} threads, median of {args.runs}")
     print(f"bare llama-cpp-python loop : {b:8.0f} tok/s   (baseline)")
     print(f"bmoe engine (Session)      : {e:8.0f} tok/s   ({e / b:.2f}x baseline)")
-    en, ep = statistics.median(eng_native), statistics.median(eng_python)
+    en, ep = statistics.median(eng_native), statistics.median(eng_python or nan)
     print(f"  ... with expert streaming: {en:8.0f} tok/s   ({en / b:.2f}x baseline)  "
           f"native callback; {ep:.0f} tok/s ({ep / b:.2f}x) with the Python one")
     print(f"bmoe-server streamed chat  : {s:8.0f} tok/s   ({s / b:.2f}x baseline)  "

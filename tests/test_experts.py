@@ -818,3 +818,91 @@ def test_read_ahead_admission_spares_the_layer_in_use_and_reads_in_flight() -> N
     assert adm.victims == [(1, 3)] and adm.misses.tolist() == [0]   # room for one only
     assert c.resident[0, [0, 1]].all() and c.resident[1, 2]
     assert c.hits == 0 and c.misses == 4     # read-ahead is neither a hit nor a miss
+
+
+# -- a model that fits: the cache fills in the background --------------------------------
+
+
+def _settle(st: ExpertStreamer, session: Session) -> None:
+    """Wait for the fill's reads, then decode one more turn so the engine sees them done."""
+    assert st.queue is not None
+    for g in list(st._inflight.values()):
+        assert g.done.wait(30)
+    turn(session, QUESTION, n=2)
+
+
+def test_background_fill_reads_each_expert_once_and_goes_resident(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every expert fits: the lanes fill the cache behind the tokens' own reads (slowed
+    here so the fill is still running while the first turns route), a routed expert still
+    queued is promoted and waited on, never read twice; then the native callback counts
+    routings without Python. Tokens and logits stay the resident engine's."""
+    slow = reader_mod.ExpertReader._one
+    reads: list[tuple[int, int]] = []
+
+    def one(self: reader_mod.ExpertReader, r: reader_mod.Read) -> int:
+        import time
+        time.sleep(0.003)
+        reads.append((r.offset, r.length))
+        return slow(self, r)
+
+    monkeypatch.setattr(reader_mod.ExpertReader, "_one", one)
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 8})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        assert st.summary()["cache_fill"] == "filling"
+        got = conversation(s)
+        _settle(st, s)
+        summary = st.summary()
+        assert summary["cache_fill"] == "done"
+        # each expert slice read once (4 layers x 8 experts x 3 tensors), all of them
+        assert len(reads) == len(set(reads)) == 96
+        assert sum(n for _, n in reads) == st.layout.expert_bytes
+        # the fill queued every expert at load, so it read them all; the first tokens
+        # found theirs still queued (promoted, waited on: a stall), none read apart
+        assert summary["cache_fill_read_mib"] * MIB == pytest.approx(
+            st.stats()["read_bytes"], abs=0.05 * MIB)
+        assert st.stats()["stall_s"] > 0
+        assert st._native_resident or st.native is None
+        assert not st.cache.pinned.any()
+    finally:
+        s.close()
+    assert got == resident(models, "moe")
+
+
+def test_no_background_fill_when_turned_off_or_experts_do_not_fit(
+        models: dict[str, Path]) -> None:
+    def off(st: ExpertStreamer) -> None:
+        s = st.summary()
+        assert s["cache_fill"] == "off" and st.queue is None and st.load_info.get(
+            "cache_fill") is None
+        assert s["cache_fill_read_mib"] == 0 and st.stats()["read_bytes"] > 0   # routed ones
+
+    assert streamed(models["moe"], off, **{"cache-mb": 8, "cache-fill": False}) \
+        == resident(models, "moe")
+
+    def small(st: ExpertStreamer) -> None:
+        assert st.summary()["cache_fill"] == "off"
+
+    assert streamed(models["moe"], small, **{"cache-mb": 2}) == resident(models, "moe")
+
+
+def test_closing_drops_the_queued_fill(models: dict[str, Path],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session closed while its fill is queued does not read the rest first."""
+    calls: list[int] = []
+    slow = reader_mod.ExpertReader._one
+
+    def one(self: reader_mod.ExpertReader, r: reader_mod.Read) -> int:
+        import time
+        calls.append(r.length)
+        time.sleep(0.05)
+        return slow(self, r)
+
+    monkeypatch.setattr(reader_mod.ExpertReader, "_one", one)
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 8})
+    st = s.streamer
+    assert isinstance(st, ExpertStreamer) and st._fill_units == 32
+    s.close()
+    assert 0 < len(calls) < 32 * 3 // 2       # 96 reads were queued; most were dropped

@@ -25,7 +25,7 @@ EXPECTED_ROWS = [
     "threads-batch", "trial-threads", "trial-overlap", "temp", "top-k", "top-p", "seed",
     "moe-stream", "io-threads", "o-direct",
     "prefetch", "spec-gate", "overlap", "cache-mb", "cache-policy",
-    "cache-floor-mb", "cache-ceil-mb", "dense-weights", "rpc", "rpc-layers", "force-cache", "load-all",
+    "cache-fill", "cache-floor-mb", "cache-ceil-mb", "dense-weights", "rpc", "rpc-layers", "force-cache", "load-all",
     "decide"]
 
 

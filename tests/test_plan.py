@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +254,49 @@ def test_a_busy_machine_gets_the_cores_other_programs_leave_free() -> None:
     assert body["values"]["threads"] == 2
 
 
+def test_cpu_use_measured_over_the_probe_outranks_the_load_average() -> None:
+    """The load average still counts programs that ended a minute ago; what other
+    programs used while the probe ran decides when it was measured."""
+    values = params.defaults(server=True)
+    stale = ComputeFacts(rates={1: 4 * GIB, 2: 14 * GIB}, type_name="f16", cores=2,
+                         load=2.5, others=0.1)
+    body = make_plan(PlanInputs(moe_facts(), memory(2 * GIB), STORAGE, stale, values,
+                                [])).to_json()
+    assert body["values"]["threads"] == 2
+    busy_now = ComputeFacts(rates={1: 4 * GIB, 2: 14 * GIB}, type_name="f16", cores=2,
+                            load=0.2, others=1.3)
+    body = make_plan(PlanInputs(moe_facts(), memory(2 * GIB), STORAGE, busy_now, values,
+                                [])).to_json()
+    threads = {d["knob"]: d for d in body["decisions"]}["threads"]
+    assert body["values"]["threads"] == 1
+    assert "other programs kept 1.3 of 2 cores busy" in threads["brief"]
+
+
+def test_cpu_used_elsewhere_counts_a_busy_neighbour_not_this_process() -> None:
+    import subprocess
+    import sys
+
+    from bmoe.planner.probes import cpu_times, cpu_used_elsewhere
+
+    a = cpu_times()
+    assert a is not None
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:       # this process spins: not "elsewhere"
+        pass
+    mine = cpu_used_elsewhere(a, cpu_times())
+    spin = "import time\nt = time.monotonic() + 0.8\nwhile time.monotonic() < t: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    time.sleep(0.1)
+    b = cpu_times()
+    time.sleep(0.5)
+    theirs = cpu_used_elsewhere(b, cpu_times())
+    child.wait()
+    assert mine is not None and theirs is not None
+    assert theirs > 0.6                      # the child kept most of a core busy
+    assert theirs > mine + 0.4
+    assert cpu_used_elsewhere(a, a) is None  # no span: nothing measured
+
+
 def test_reads_priced_as_the_engine_batches_them() -> None:
     """A layer's misses are read as one batch and waited for: when small batches leave
     lanes idle, the read time is the batches', not bytes at the full-queue rate."""
@@ -273,3 +317,43 @@ def test_reads_priced_as_the_engine_batches_them() -> None:
     plan = make_plan(PlanInputs(facts, memory(2 * GIB), quick, COMPUTE,
                                 params.defaults(server=True), []))
     assert plan.to_json()["predicted"]["s_per_token"] == pytest.approx(fast, rel=0.02)
+
+
+def test_the_server_runs_the_matmul_probe_on_its_engine_thread(tmp_path: Path) -> None:
+    """llama.cpp's OpenMP build gives each thread that computes a graph its own team of
+    workers for good; a probe run on a worker thread left a second team that made every
+    later decode of the server 1.6x slower on 2 cores (bmoe/planner/measure.py). The
+    plan's matmul runs on the engine thread, and the measurement uses that route."""
+    import threading
+    from types import SimpleNamespace
+
+    from bmoe.engine.thread import EngineThread
+    from bmoe.modelmaker import make_model
+    from bmoe.planner import measure as measure_mod
+    from bmoe.server.plan_routes import PlanService
+
+    engine = EngineThread()
+    try:
+        state = SimpleNamespace(options=SimpleNamespace(data_dir=str(tmp_path)), engine=engine)
+        service = PlanService(state)
+        ran_on: list[str] = []
+
+        def probe() -> ComputeFacts:
+            ran_on.append(threading.current_thread().name)
+            return ComputeFacts(rates={1: GIB}, type_name="f32", cores=1)
+
+        assert service._on_engine_thread(probe).rates == {1: GIB}
+        assert ran_on == ["bmoe-engine"]
+
+        model = make_model(tmp_path / "moe.gguf", n_layer=2, n_expert=4, n_expert_used=2)
+        seen: list[object] = []
+
+        def route(fn):  # type: ignore[no-untyped-def]
+            seen.append(fn)
+            return service._on_engine_thread(fn)
+
+        plan = measure_mod.measure(model, params.defaults(server=True), [],
+                                   routing_dir=None, compute_on=route)
+        assert len(seen) == 1 and plan.to_json()["measurements"]["compute"]["rates"]
+    finally:
+        engine.close().result(timeout=30)

@@ -304,6 +304,14 @@ def _rows() -> tuple[Param, ...]:
                                Named("next-use", "expected next use"),
                                Named("lru", "least recently used"),
                                Named("lfu", "least frequently used"))),
+        _row("cache-fill", "Cache: fill in the background", "bool", "cache", "advanced",
+             "When every expert fits the cache, reads them all while the lanes are idle.",
+             "The load reads only the dense weights; with this on, a cache that can hold "
+             "every expert is then filled by the read lanes at the lowest priority (the "
+             "experts a token needs are read first), so a model that fits soon runs with "
+             "every expert in memory and no per-layer cache work. Off, experts are read "
+             "only when first routed. No effect when the experts do not all fit.",
+             True),
         _row("cache-floor-mb", "Cache: RAM to leave", "int", "cache", "advanced",
              "Memory an auto-sized cache leaves to the system and other programs.",
              "Raise it if the machine swaps with the model loaded; each MiB left is a "

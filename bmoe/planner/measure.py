@@ -3,12 +3,21 @@
 ``measure(...)`` is blocking (a second or two of reads and matmuls) and is run in a
 worker thread by the server and inline by the CLI. ``progress(step, label, index,
 count)`` is called as each stage begins: the ``plan_progress`` events.
+
+The matmul probe runs llama.cpp's CPU backend, whose OpenMP build gives every thread
+that starts a graph a team of worker threads that lives as long as the process. A
+second team (the probe's, beside the decoding thread's) makes more OpenMP threads than
+cores, and libgomp then stops spinning at barriers: a decode's hundreds of barriers each
+sleep and wake, measured here at 0.019 s/token against 0.012 on a 2-core machine. So a
+caller that decodes on another thread passes ``compute_on``, which runs the probe there
+(the server: on its engine thread).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +52,9 @@ def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: lis
             routing_dir: Path | None, loaded_held: int = 0, loaded_model: str = "",
             progress: Progress | None = None,
             cancel: threading.Event | None = None,
-            cached: tuple[ComputeFacts, StorageFacts] | None = None) -> Plan:
+            cached: tuple[ComputeFacts, StorageFacts] | None = None,
+            compute_on: Callable[[Callable[[], ComputeFacts]], ComputeFacts] | None = None
+            ) -> Plan:
     def step(i: int) -> None:
         if progress is not None:
             progress(STEPS[i][0], STEPS[i][1], i, len(STEPS))
@@ -52,7 +63,12 @@ def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: lis
     facts = model_facts(path)
     _check_model(facts)
     step(1)
-    compute = cached[0] if cached else probe_compute(facts, cancel=cancel)
+    if cached:
+        compute = cached[0]
+    elif compute_on is not None:
+        compute = compute_on(partial(probe_compute, facts, cancel=cancel))
+    else:
+        compute = probe_compute(facts, cancel=cancel)
     step(2)
     storage = cached[1] if cached else probe_storage(facts, cancel=cancel)
     step(3)

@@ -371,13 +371,15 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
         c = inp.compute
         n = max(k for k in c.rates if k <= c.spare_cores) if any(
             k <= c.spare_cores for k in c.rates) else min(c.rates)
+        busy = (f"other programs kept {c.busy_elsewhere:.1f} of {c.cores} cores busy "
+                "while it measured" if c.others is not None else
+                f"load average {c.load:.1f} on {c.cores} cores")
         b.add("threads", n, "measured",
-              f"{n}: the cores other programs leave free (load average {c.load:.1f} on "
-              f"{c.cores} cores).",
+              f"{n}: the cores other programs leave free ({busy}).",
               f"The matmul alone was fastest at {c.best_threads} threads, but the machine "
-              f"is busy (load average {c.load:.1f} on {c.cores} cores): a compute thread "
-              "another program deschedules stalls the others at every node of a decode, "
-              "which made two threads 2-20x slower than one in bench/plan_accuracy.py.")
+              f"is busy ({busy}): a compute thread another program deschedules stalls "
+              "the others at every node of a decode, which made two threads 2-20x slower "
+              "than one in bench/plan_accuracy.py.")
     elif inp.compute.rates:
         n = inp.compute.best_threads
         rates = ", ".join(f"{k}: {rate_text(v)}" for k, v in sorted(inp.compute.rates.items()))
@@ -524,6 +526,7 @@ def _predict(b: _Builder, regime: str, cache: int, budget: int,
         # with read-ahead overlapped, a layer's reads run beside the layers computing
         s = max(compute, io) if overlap else compute + io
         out["cache_hit_pct"] = round(hit * 100, 1)
+        out["read_s"] = round(io, 4)
     elif regime == "plain mmap":
         held = max(0.0, min(1.0, (budget - RUNTIME_RESERVE) / whole)) if whole else 1.0
         slow = rate_s / MMAP_FAULT_SLOWDOWN if rate_s else 0.0
@@ -531,6 +534,7 @@ def _predict(b: _Builder, regime: str, cache: int, budget: int,
     else:
         s = compute
     out["s_per_token"] = round(s, 4)
+    out["compute_s"] = round(compute, 4)
     if rate_s:
         out["s_per_token_worst"] = round(compute + active / rate_s, 4)
     measured = inp.costs.get(cost_key({**inp.values, **b.values}))

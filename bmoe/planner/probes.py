@@ -38,10 +38,13 @@ MIB = 1 << 20
 GIB = 1 << 30
 ALIGN = 4096
 NO_LIMIT = 1 << 60                 # cgroup v1 writes "no limit" as a number near 2^63
-STORAGE_SECONDS_PER_LANE = 0.35    # each lane count reads for this long
+STORAGE_SECONDS_PER_LANE = 0.36    # each lane count reads for this long, over the rounds
+STORAGE_ROUNDS = 3                 # lane counts and batch sizes are measured in this many
+                                   # interleaved rounds: a disk whose rate drifts within
+                                   # seconds (a virtual disk's host cache) favours none
 STORAGE_LANES = (1, 2, 4)
 STORAGE_BATCHES = (1, 2, 4, 8, 16)  # reads per batch: one layer's misses, then a wait
-STORAGE_SECONDS_PER_BATCH = 0.2     # each batch size is timed for this long
+STORAGE_SECONDS_PER_BATCH = 0.21    # each batch size is timed for this long, over the rounds
 STORAGE_MIN_BLOCK = 64 * 1024
 STORAGE_MAX_BLOCK = 8 * MIB
 COMPUTE_SECONDS_PER_COUNT = 0.3    # each thread count multiplies for this long
@@ -345,22 +348,33 @@ def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
         odirect = False
     out = StorageFacts(block, odirect=odirect)
     rng = random.Random(seed)
+    done = {n: 0 for n in lanes}
+    spent = {n: 0.0 for n in lanes}
     try:
-        for n in lanes:
-            if cancel is not None and cancel.is_set():
-                break
-            rate = _read_for(fd, regions, block, n, seconds, rng)
-            if rate is None:
-                out.rates.clear()
-                out.reason = "the model's file could not be read with direct reads"
-                break
-            out.rates[n] = rate
+        for _ in range(STORAGE_ROUNDS):        # interleaved: a drifting rate favours none
+            for n in lanes:
+                if cancel is not None and cancel.is_set():
+                    break
+                got = _read_for(fd, regions, block, n, seconds / STORAGE_ROUNDS, rng)
+                if got is None:
+                    out.reason = "the model's file could not be read with direct reads"
+                    return StorageFacts(block, odirect=odirect, reason=out.reason)
+                done[n] += got[0]
+                spent[n] += got[1]
+        out.rates = {n: done[n] / spent[n] for n in lanes if spent[n] > 0}
         if out.rates and not (cancel is not None and cancel.is_set()):
             out.batch_lanes = out.best_lanes
             out.batch_s = _batches(fd, regions, block, out.batch_lanes, rng)
     finally:
         os.close(fd)
     return out
+
+
+def _pick(regions: list[tuple[int, int]], block: int, r: random.Random) -> int:
+    """A random whole block of a random region, on the region's block grid: one expert's
+    slice as the engine reads it (an expert tensor's slices follow each other)."""
+    start, length = r.choice(regions)
+    return start + r.randrange(max(1, length // block)) * block
 
 
 def _batches(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
@@ -370,26 +384,24 @@ def _batches(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
     from concurrent.futures import ThreadPoolExecutor
     bufs = [mmap.mmap(-1, block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             for _ in range(max(STORAGE_BATCHES))]
-    out: dict[int, float] = {}
+    times: dict[int, list[float]] = {n: [] for n in STORAGE_BATCHES}
 
     def read(i: int, off: int) -> int:
         return os.preadv(fd, [bufs[i]], off)
 
     try:
         with ThreadPoolExecutor(max(1, lanes), thread_name_prefix="bmoe-plan-batch") as pool:
-            for n in STORAGE_BATCHES:
-                count, t0 = 0, time.perf_counter()
-                deadline = t0 + STORAGE_SECONDS_PER_BATCH
-                while time.perf_counter() < deadline or count == 0:
-                    offs = []
-                    for _ in range(n):
-                        start, length = rng.choice(regions)
-                        offs.append(start + rng.randrange(0, (length - block) // ALIGN + 1)
-                                    * ALIGN)
-                    for f in [pool.submit(read, i, off) for i, off in enumerate(offs)]:
-                        f.result()
-                    count += 1
-                out[n] = (time.perf_counter() - t0) / count
+            for _ in range(STORAGE_ROUNDS):    # interleaved, as the lane counts
+                for n in STORAGE_BATCHES:
+                    deadline = time.perf_counter() + STORAGE_SECONDS_PER_BATCH / STORAGE_ROUNDS
+                    while time.perf_counter() < deadline or not times[n]:
+                        offs = [_pick(regions, block, rng) for _ in range(n)]
+                        t0 = time.perf_counter()
+                        for f in [pool.submit(read, i, off) for i, off in enumerate(offs)]:
+                            f.result()
+                        times[n].append(time.perf_counter() - t0)
+        # the median batch: a decode's token is read as its median too
+        out = {n: statistics.median(v) for n, v in times.items() if v}
     except OSError:
         return {}
     finally:
@@ -399,8 +411,8 @@ def _batches(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
 
 
 def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
-              seconds: float, rng: random.Random) -> float | None:
-    """Bytes/s of random block reads over ``lanes`` threads for ``seconds``."""
+              seconds: float, rng: random.Random) -> tuple[int, float] | None:
+    """(bytes, seconds) of random block reads over ``lanes`` threads for ``seconds``."""
     seeds = [rng.randrange(1 << 30) for _ in range(lanes)]
     done = [0] * lanes
     failed: list[str] = []
@@ -411,9 +423,7 @@ def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
         buf = mmap.mmap(-1, block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
             while time.perf_counter() < deadline:
-                start, length = r.choice(regions)
-                off = start + r.randrange(0, (length - block) // ALIGN + 1) * ALIGN
-                done[i] += os.preadv(fd, [buf], off)
+                done[i] += os.preadv(fd, [buf], _pick(regions, block, r))
         except OSError as e:
             failed.append(e.strerror or "error")
         finally:
@@ -428,7 +438,7 @@ def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
         t.join()
     if failed:
         return None
-    return sum(done) / max(1e-9, time.perf_counter() - t0)
+    return sum(done), max(1e-9, time.perf_counter() - t0)
 
 
 # --- compute --------------------------------------------------------------------------------
@@ -440,15 +450,25 @@ class ComputeFacts:
     reason: str = ""
     cores: int = 0                 # the cores this process may use
     load: float = 0.0              # the 1-minute load average when measured
+    others: float | None = None    # cores other programs kept busy during the probe
+
+    @property
+    def busy_elsewhere(self) -> float:
+        """Cores other programs use: measured over the probe when /proc allows, else the
+        load average less this process's own probe. The load average is a minute's
+        moving average: it still counts a program that ended seconds ago (in a
+        benchmark, the previous run), so it is only the fallback."""
+        if self.others is not None:
+            return self.others
+        return max(0.0, self.load - 1.0)
 
     @property
     def spare_cores(self) -> int:
         """The cores other programs leave free: all of them on a quiet machine, fewer as
-        the load average passes the core count (at least one)."""
+        other programs keep cores busy (at least one)."""
         if not self.cores:
             return 0
-        busy = max(0.0, self.load - 1.0)          # this process's own probe is one
-        return max(1, min(self.cores, int(self.cores - busy + 0.5)))
+        return max(1, min(self.cores, int(self.cores - self.busy_elsewhere + 0.5)))
 
     @property
     def best_threads(self) -> int:
@@ -480,6 +500,7 @@ class ComputeFacts:
         return {"type": self.type_name, "best_threads": self.best_threads,
                 "rates": {str(k): round(v) for k, v in sorted(self.rates.items())},
                 "cores": self.cores, "load": round(self.load, 2),
+                "others": None if self.others is None else round(self.others, 2),
                 "spare_cores": self.spare_cores, "reason": self.reason}
 
 
@@ -509,6 +530,7 @@ def probe_compute(facts: ModelFacts, threads: tuple[int, ...] | None = None,
                        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
     counts = threads or thread_candidates()
     runs: dict[int, list[float]] = {n: [] for n in counts}
+    cpu_before = cpu_times()
     try:
         for _ in range(COMPUTE_ROUNDS):       # interleaved, so a quiet moment favours none
             for n in counts:
@@ -516,12 +538,42 @@ def probe_compute(facts: ModelFacts, threads: tuple[int, ...] | None = None,
                     break
                 runs[n].append(bench.rate(n, seconds / COMPUTE_ROUNDS))
         out.rates = {n: statistics.median(r) for n, r in runs.items() if r}
+        out.others = cpu_used_elsewhere(cpu_before, cpu_times())
     except MatmulUnavailable as e:
         out.rates.clear()
         out.reason = str(e)
     finally:
         bench.close()
     return out
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    wall: float          # monotonic seconds
+    busy: float          # CPU seconds every core of the machine spent busy
+    own: float           # CPU seconds this process spent, all its threads
+
+
+def cpu_times() -> CpuTimes | None:
+    """The machine's and this process's CPU time so far (Linux /proc), or None."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        # cpu user nice system idle iowait irq softirq steal ...
+        ticks = [int(x) for x in fields[1:9]]
+        busy = sum(ticks) - ticks[3] - ticks[4]
+        times = os.times()
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return CpuTimes(time.monotonic(), busy / hz, times.user + times.system)
+
+
+def cpu_used_elsewhere(a: CpuTimes | None, b: CpuTimes | None) -> float | None:
+    """Cores other programs kept busy between two readings (None when unmeasurable or
+    the span is too short to mean anything)."""
+    if a is None or b is None or b.wall - a.wall < 0.2:
+        return None
+    return max(0.0, ((b.busy - a.busy) - (b.own - a.own)) / (b.wall - a.wall))
 
 
 def _compute_tensor(facts: ModelFacts) -> TensorInfo | None:

@@ -28,7 +28,7 @@ import os
 import threading
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
@@ -38,6 +38,7 @@ from ..http.routes import RouteTable
 from ..http.types import Request, Response
 from ..planner.measure import PlanError, measure
 from ..planner.plan import Plan
+from ..planner.probes import ComputeFacts
 from ..planner.routing import (append_record, cost_key, cost_path, record_path, trial_path,
                                write_cost, write_trial)
 
@@ -125,7 +126,7 @@ class PlanService:
             job = partial(measure, path, {**config.values_without_plan, "model": path},
                           config.user_keys, routing_dir=self.routing_dir,
                           loaded_held=held, loaded_model=name, progress=progress,
-                          cancel=threading.Event())
+                          cancel=threading.Event(), compute_on=self._on_engine_thread)
             try:
                 plan = await trio.to_thread.run_sync(job)
             finally:
@@ -135,6 +136,12 @@ class PlanService:
                                 f"an estimate of what it holds ({held >> 20} MiB), so its sizes "
                                 "are approximate; unload it for an exact plan")
             return plan
+
+    def _on_engine_thread(self, probe: Callable[[], ComputeFacts]) -> ComputeFacts:
+        """Run the matmul probe on the thread that decodes (see bmoe/planner/measure.py:
+        a second OpenMP team would slow every later decode); called from the worker
+        thread the measurement runs in."""
+        return self.state.engine.submit(probe).result()
 
     async def measure_by_hand(self, path: str) -> dict[str, Any]:
         plan = await self.measure(path)

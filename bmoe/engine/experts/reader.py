@@ -272,8 +272,20 @@ class LaneQueue:
                     g.done.set()
 
     def close(self) -> None:
+        """Stop the lanes after the reads in progress; the queued ones are dropped (their
+        groups fail), so a long queue (a background fill) does not hold the close up."""
         with self._cv:
             self._closed = True
+            dropped = [it for _, _, it in self._heap if not it.taken]
+            self._heap.clear()
+            for it in dropped:
+                it.taken = True
+                g = it.group
+                if g.error is None:
+                    g.error = OSError("the reader closed before this read ran")
+                g.left -= 1
+                if g.left == 0:
+                    g.done.set()
             self._cv.notify_all()
         for t in self._threads:
             t.join()

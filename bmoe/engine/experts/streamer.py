@@ -91,6 +91,7 @@ from .reader import ExpertReader, LaneQueue, Read, ReadGroup
 
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
+FILL_PRIO = 1 << 20          # a background fill's reads: after every token's and guess's
 _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
 
 
@@ -141,6 +142,10 @@ class ExpertStreamer:
         self.prefetch = max(0, int(values.get("prefetch", 0) or 0))
         self.spec_gate = float(values.get("spec-gate", 0.0) or 0.0)
         self.overlap = bool(values.get("overlap", False))
+        self.fill = bool(values.get("cache-fill", True))
+        self._filling: set[tuple[int, int]] = set()    # units a background fill reads
+        self._fill_units = 0                             # units the fill queued in all
+        self._fill_bytes = 0                             # bytes it has read so far
         self.predictor: Predictor | None = None
         self.queue: LaneQueue | None = None
         self._inflight: dict[tuple[int, int], ReadGroup] = {}     # units read ahead
@@ -241,7 +246,36 @@ class ExpertStreamer:
                 self._start_prefetch()
             else:           # once read, every expert stays: guessing would only cost
                 self.load_info["predictor"] = "off: every expert fits the cache"
+        if (self.fill and isinstance(self.cache, ExpertCache) and self.budget.mode != "all"
+                and self.budget.bytes >= self._expert_bytes):
+            self._start_fill()
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
+
+    def _start_fill(self) -> None:
+        """Every expert fits the cache: queue them all on the lanes at the lowest priority.
+        The load stays dense bytes ÷ disk rate; a token's own reads jump this queue, and
+        a routed expert still queued here is promoted and waited on (never read twice).
+        Once all are in, the native callback counts routings without Python."""
+        assert self.reader is not None and isinstance(self.cache, ExpertCache)
+        if self.queue is None:
+            self.queue = self.reader.start_queue()
+        if self._spec.size == 0:
+            self._spec = np.zeros((self.layout.n_layer, self.layout.n_expert), dtype=bool)
+        cache, queued = self.cache, 0
+        for e in range(self.layout.n_expert):      # expert-major: every layer fills evenly
+            for layer in self._layer_ids:
+                if cache.resident[layer, e] or cache.pinned[layer, e]:
+                    continue
+                adm = cache.admit_spec(layer, np.array([e], dtype=np.int64), chance=0.0)
+                if not len(adm.misses):
+                    continue
+                g = self.queue.submit(self._reads_for(layer, adm.misses, {}), FILL_PRIO)
+                self._inflight[(layer, e)] = g
+                cache.pinned[layer, e] = True
+                self._filling.add((layer, e))
+                queued += 1
+        self._fill_units = queued
+        self.load_info["cache_fill"] = f"{queued} experts queued"
 
     def _start_prefetch(self) -> None:
         assert self.reader is not None
@@ -577,7 +611,13 @@ class ExpertStreamer:
             self.cache.pinned[u] = False
             if g.error is not None:
                 self._spec[u] = False
+                self._filling.discard(u)
                 self._forget(u[0], np.array([u[1]]))
+                continue
+            if u in self._filling:            # background fill: no token's read
+                self._filling.discard(u)
+                self._fill_bytes += g.nbytes
+                self._total.read_bytes += g.nbytes
                 continue
             for cc in (c, self._total):
                 cc.spec_bytes += g.nbytes
@@ -726,6 +766,8 @@ class ExpertStreamer:
             "spec_prefetched": total.spec_units,
             "spec_useful": total.spec_useful,
             "spec_wasted_mib": round(total.spec_wasted_bytes / MIB, 2),
+            "cache_fill": self._fill_state(),
+            "cache_fill_read_mib": round(self._fill_bytes / MIB, 1),
             "cache_policy": self.cache.policy if isinstance(self.cache, ExpertCache) else "",
             "cache_resident_mib": round(self._resident_bytes() / MIB, 1),
             "cache_budget_mib": round(self.budget.bytes / MIB, 1),
@@ -741,6 +783,14 @@ class ExpertStreamer:
             "dense_weights": self.dense_mode,
             "dense_resident_frac": self.dense_resident_frac(),
         }
+
+    def _fill_state(self) -> str:
+        """off (no background fill), filling, or done."""
+        if not self._fill_units:
+            return "off"
+        busy = any(not g.done.is_set() for u in self._filling
+                   if (g := self._inflight.get(u)) is not None)
+        return "filling" if busy else "done"
 
     def stats(self) -> dict[str, Any]:
         """Totals since load (for benchmarks and tests; per-token figures are token_end's)."""
