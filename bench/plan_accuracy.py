@@ -174,6 +174,9 @@ def make_model(args: argparse.Namespace) -> Path:
 
 
 def one_cap(frac: float, model: Path, routing: Path, args: argparse.Namespace) -> dict:
+    """Every run of this cap, `--repeats` times in turn (a disk whose rate drifts over
+    minutes then favours no setting), merged: each setting's median over all its timed
+    tokens, each prediction against that."""
     size = model.stat().st_size
     limit = int(size * frac)
     print(f"cap {frac:.0%}: {limit / 2**30:.2f} GiB of a {size / 2**30:.2f} GiB file "
@@ -181,31 +184,68 @@ def one_cap(frac: float, model: Path, routing: Path, args: argparse.Namespace) -
     cap = MemoryCap(f"bmoe-plan-bench-{os.getpid()}-{int(frac * 100)}", limit)
     base = {"model": str(model), "tokens": args.tokens, "warmup": args.warmup,
             "routing": str(routing)}
-    out: dict[str, Any] = {"limit": limit}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    grid: list[tuple[int, int]] = []
+    pv: dict[str, Any] = {}
     try:
-        for f in routing.glob("*"):
-            f.unlink()
-        out["plan"] = run("plan", {**base, "plan": True, "values": {}, "keep_routing": True},
-                          cap, args)
-        out["plan+rec"] = run("plan+rec", {**base, "plan": True, "values": {}}, cap, args)
-        planned = out["plan+rec"] if "values" in out["plan+rec"] else out["plan"]
-        if "values" not in planned:
-            return out
-        pv = planned["values"]
-        cache = pv["cache-mb"] if isinstance(pv["cache-mb"], int) else 0
-        cycle = args.cycle_mib
-        grid = []
-        for c in sorted({cycle, max(cycle, cache // 2), cache} - {0}):
-            for t in (1, 2):
-                if c == cache and t == pv["threads"]:
-                    continue          # the planned setting itself: measured above
-                grid.append((c, t))
-        out["grid"] = {}
-        for c, t in grid:
-            vals = {**pv, "cache-mb": c, "threads": t}
-            out["grid"][f"{c}x{t}"] = run(f"grid {c}x{t}", {**base, "values": vals}, cap, args)
+        for rep in range(args.repeats):
+            tag = f" #{rep + 1}" if args.repeats > 1 else ""
+            for f in routing.glob("*"):
+                f.unlink()
+            runs.setdefault("plan", []).append(run(
+                "plan" + tag, {**base, "plan": True, "values": {}, "keep_routing": True},
+                cap, args))
+            runs.setdefault("plan+rec", []).append(run(
+                "plan+rec" + tag, {**base, "plan": True, "values": {}}, cap, args))
+            if rep == 0:
+                planned = next((r for r in (runs["plan+rec"][0], runs["plan"][0])
+                                if "values" in r), None)
+                if planned is None:
+                    break
+                pv = planned["values"]
+                cache = pv["cache-mb"] if isinstance(pv["cache-mb"], int) else 0
+                cycle = args.cycle_mib
+                for c in sorted({cycle, max(cycle, cache // 2), cache} - {0}):
+                    for t in (1, 2):
+                        if c == cache and t == pv["threads"]:
+                            continue          # the planned setting itself: measured above
+                        grid.append((c, t))
+            for c, t in grid:
+                vals = {**pv, "cache-mb": c, "threads": t}
+                runs.setdefault(f"grid {c}x{t}", []).append(
+                    run(f"grid {c}x{t}{tag}", {**base, "values": vals}, cap, args))
     finally:
         cap.remove()
+    out: dict[str, Any] = {"limit": limit, "runs": runs, "grid": {}}
+    if args.repeats > 1:
+        print(f"  merged over {args.repeats} repeats:", flush=True)
+    for name, rs in runs.items():
+        merged = merge(rs, args)
+        if name.startswith("grid "):
+            out["grid"][name[5:]] = merged
+        else:
+            out[name] = merged
+        if args.repeats > 1 and "median" in merged:
+            line = f"    {name:14s} median {merged['median']:.4f} s/tok"
+            if "ratio" in merged:
+                line += f"  predicted {merged['predicted']:.4f} ({merged['ratio']:.2f}x)"
+            print(line, flush=True)
+    return out
+
+
+def merge(rs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """One setting's runs as one: the median over every run's timed tokens, the median
+    prediction against it."""
+    ok = [r for r in rs if "walls" in r]
+    if not ok:
+        return {"failed": [r.get("failed") for r in rs]}
+    walls = [w for r in ok for w in r["walls"][args.warmup:]]
+    out: dict[str, Any] = {"median": statistics.median(walls), "values": ok[0]["values"],
+                           "runs": [r["median"] for r in ok], "walls": walls}
+    preds = [r["plan"]["predicted"].get("s_per_token", 0.0) for r in ok if "plan" in r]
+    if preds:
+        out["predicted"] = statistics.median(preds)
+        out["ratio"] = out["predicted"] / out["median"] if out["median"] else 0.0
     return out
 
 
@@ -217,6 +257,10 @@ def report(results: dict[str, Any]) -> None:
         runs = [x for x in [b, *r.get("grid", {}).values()] if "median" in x]
         best = min((x["median"] for x in runs), default=0.0)
         planned = b.get("median", 0.0)
+        if a.get("values") and a.get("values") == b.get("values"):
+            # the same setting measured twice as often: both runs' tokens
+            planned = statistics.median(a["walls"] + b["walls"])
+            best = min([planned] + [x["median"] for x in runs[1:]])
         print(f"{frac:>4}   {a.get('ratio', 0):>6.2f}x {'':22s} {b.get('ratio', 0):>6.2f}x   "
               f"{planned:>9.4f}     {best:>8.4f}   {planned / best if best else 0:>6.2f}x")
 
@@ -229,6 +273,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--caps", default="0.25,0.40,0.70")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="run every setting this often, in turn, and merge")
     p.add_argument("--run-timeout", type=float, default=400.0)
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json", help="write every figure here")

@@ -357,3 +357,27 @@ def test_the_server_runs_the_matmul_probe_on_its_engine_thread(tmp_path: Path) -
         assert len(seen) == 1 and plan.to_json()["measurements"]["compute"]["rates"]
     finally:
         engine.close().result(timeout=30)
+
+
+def test_the_record_is_replayed_through_the_engines_own_policy() -> None:
+    """The hit rate read off a routing record is the engine's cache's, with the session's
+    replacement policy: `reuse` learns the routing's reuse and hits more than an LRU of
+    the same size on skewed, recurring routing; `lru` is LRU's."""
+    from bmoe.planner.routing import RoutingRecord, lru_hit_rate, policy_hit_rate
+
+    rng = np.random.default_rng(5)
+    hot = rng.choice(32, size=(4, 6), replace=False)       # per layer, 6 popular experts
+    tokens = []
+    for _ in range(200):
+        row = []
+        for layer in range(4):
+            pick = hot[layer, rng.choice(6, 2, replace=False)] if rng.random() < 0.7 \
+                else rng.choice(32, 2, replace=False)
+            row.append(pick)
+        tokens.append(row)
+    rec = RoutingRecord("m", 1, 4, 32, 2, np.array(tokens, dtype=np.uint16))
+    lru = lru_hit_rate(rec, 32)
+    assert policy_hit_rate(rec, 32, "lru") == lru
+    reuse = policy_hit_rate(rec, 32, "reuse")
+    assert 0 < lru < reuse < 1
+    assert policy_hit_rate(rec, 0, "reuse") == 0.0

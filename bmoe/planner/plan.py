@@ -32,7 +32,7 @@ from typing import Any
 
 from ..engine import params
 from .probes import GIB, MIB, ComputeFacts, MemoryFacts, ModelFacts, StorageFacts
-from .routing import RoutingRecord, cost_key, default_hit_rate, lru_hit_rate
+from .routing import RoutingRecord, cost_key, default_hit_rate, policy_hit_rate
 
 CTX_ADVICE = 16384             # the spec's ctx advice (RunConfig::ctx_for_clients)
 CTX_MAX_PLANNED = 65536        # the plan grows the context no further on its own
@@ -493,9 +493,11 @@ def _hit(b: _Builder, cache: int) -> tuple[float, str, str]:
     p, rec = b.p, b.inp.record
     unit = p.token_cycle_bytes // max(1, p.n_expert_used * max(1, p.n_moe_layer))
     if rec is not None and rec.tokens >= 16 and unit:
-        hit = lru_hit_rate(rec, cache // unit)
-        return hit, "measured", (f"{hit:.0%} hits at {size_text(cache)}: an LRU replayed over "
-                                 f"this model's recorded routing ({rec.tokens} tokens).")
+        policy = str({**b.inp.values, **b.values}.get("cache-policy") or "reuse")
+        hit = policy_hit_rate(rec, cache // unit, policy)
+        return hit, "measured", (f"{hit:.0%} hits at {size_text(cache)}: the engine's cache "
+                                 f"({policy}) replayed over this model's recorded routing "
+                                 f"({rec.tokens} tokens).")
     hit = default_hit_rate(cache, p.expert_bytes, p.token_cycle_bytes)
     why = "no routing record of this model yet"
     if b.inp.record_warning:

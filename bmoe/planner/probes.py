@@ -38,13 +38,14 @@ MIB = 1 << 20
 GIB = 1 << 30
 ALIGN = 4096
 NO_LIMIT = 1 << 60                 # cgroup v1 writes "no limit" as a number near 2^63
-STORAGE_SECONDS_PER_LANE = 0.36    # each lane count reads for this long, over the rounds
+STORAGE_SECONDS_PER_LANE = 0.24    # each lane count reads for this long, over the rounds
 STORAGE_ROUNDS = 3                 # lane counts and batch sizes are measured in this many
                                    # interleaved rounds: a disk whose rate drifts within
                                    # seconds (a virtual disk's host cache) favours none
 STORAGE_LANES = (1, 2, 4)
 STORAGE_BATCHES = (1, 2, 4, 8, 16)  # reads per batch: one layer's misses, then a wait
-STORAGE_SECONDS_PER_BATCH = 0.21    # each batch size is timed for this long, over the rounds
+STORAGE_SECONDS_PER_BATCHES = 0.36  # each lane count's batches are timed for this long
+STORAGE_TYPICAL_BATCH = 8           # reads a layer's misses make: what lanes are chosen by
 STORAGE_MIN_BLOCK = 64 * 1024
 STORAGE_MAX_BLOCK = 8 * MIB
 COMPUTE_SECONDS_PER_COUNT = 0.3    # each thread count multiplies for this long
@@ -255,9 +256,19 @@ class StorageFacts:
     batch_lanes: int = 0
     odirect: bool = True
     reason: str = ""                                        # why unprobed
+    # lanes -> (reads per batch -> seconds per batch): the engine's own reader
+    lane_batch_s: dict[int, dict[int, float]] = field(default_factory=dict)
 
     @property
     def best_lanes(self) -> int:
+        """The fewest lanes within 5 % of the fastest: by the engine reader's batches of a
+        layer's typical misses when measured (what decode waits for), else by the
+        full-queue rate."""
+        timed = {n: t[STORAGE_TYPICAL_BATCH] for n, t in self.lane_batch_s.items()
+                 if t.get(STORAGE_TYPICAL_BATCH)}
+        if timed:
+            best = min(timed.values())
+            return min(n for n, t in timed.items() if t <= best / 0.95)
         if not self.rates:
             return 0
         top = max(self.rates.values())
@@ -291,16 +302,22 @@ class StorageFacts:
         lanes = self.best_lanes
         how = "random O_DIRECT reads" if self.odirect else "random reads (buffered: the " \
               "file system refused direct ones)"
-        return Figure(round(self.rate()), "measured",
-                      f"{self.rate() / MIB:.0f} MiB/s: {how} of {self.block // 1024} KiB "
-                      f"expert blocks of this model's file over {lanes} lane"
-                      f"{'s' if lanes > 1 else ''}")
+        text = (f"{self.rate() / MIB:.0f} MiB/s: {how} of {self.block // 1024} KiB "
+                f"expert blocks of this model's file over {lanes} lane"
+                f"{'s' if lanes > 1 else ''}")
+        typical = self.lane_batch_s.get(lanes, {}).get(STORAGE_TYPICAL_BATCH)
+        if typical:
+            text += (f"; {STORAGE_TYPICAL_BATCH} blocks read together as the engine reads a "
+                     f"layer's misses: {typical * 1000:.1f} ms")
+        return Figure(round(self.rate()), "measured", text)
 
     def to_json(self) -> dict[str, Any]:
         return {"block": self.block, "odirect": self.odirect,
                 "rates": {str(k): round(v) for k, v in sorted(self.rates.items())},
                 "batch_ms": {str(k): round(v * 1000, 3) for k, v in sorted(self.batch_s.items())},
                 "batch_lanes": self.batch_lanes,
+                "lane_batch_ms": {str(n): {str(k): round(v * 1000, 3) for k, v in sorted(t.items())}
+                                  for n, t in sorted(self.lane_batch_s.items())},
                 "best_lanes": self.best_lanes, "reason": self.reason}
 
 
@@ -317,16 +334,23 @@ def expert_block(facts: ModelFacts) -> int:
 
 def _regions(facts: ModelFacts, block: int) -> list[tuple[int, int]]:
     """(start, length) of the file regions to read from: the expert tensors, or the file."""
-    out = []
+    return [r for group in _layer_regions(facts, block) for r in group]
+
+
+def _layer_regions(facts: ModelFacts, block: int) -> list[list[tuple[int, int]]]:
+    """The expert tensors' regions grouped by layer (a layer's misses are read from its
+    own tensors: gate, up and down of the missed experts), or the file as one group."""
+    groups: dict[str, list[tuple[int, int]]] = {}
     for t in facts.expert_tensors():
         start = facts.data_start + t.offset
         start = -(-start // ALIGN) * ALIGN
         end = (facts.data_start + t.offset + t.nbytes) // ALIGN * ALIGN
         if end - start >= block:
-            out.append((start, end - start))
-    if not out and facts.size >= block:
-        out.append((0, facts.size // ALIGN * ALIGN))
-    return out
+            layer = t.name.split(".")[1] if t.name.startswith("blk.") else t.name
+            groups.setdefault(layer, []).append((start, end - start))
+    if not groups and facts.size >= block:
+        return [[(0, facts.size // ALIGN * ALIGN)]]
+    return list(groups.values())
 
 
 def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
@@ -362,11 +386,13 @@ def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
                 done[n] += got[0]
                 spent[n] += got[1]
         out.rates = {n: done[n] / spent[n] for n in lanes if spent[n] > 0}
-        if out.rates and not (cancel is not None and cancel.is_set()):
-            out.batch_lanes = out.best_lanes
-            out.batch_s = _batches(fd, regions, block, out.batch_lanes, rng)
     finally:
         os.close(fd)
+    if out.rates and not (cancel is not None and cancel.is_set()):
+        out.lane_batch_s = _batches(str(facts.path), _layer_regions(facts, block), block,
+                                    tuple(out.rates), odirect, rng, cancel)
+        out.batch_lanes = out.best_lanes
+        out.batch_s = dict(out.lane_batch_s.get(out.batch_lanes, {}))
     return out
 
 
@@ -377,37 +403,47 @@ def _pick(regions: list[tuple[int, int]], block: int, r: random.Random) -> int:
     return start + r.randrange(max(1, length // block)) * block
 
 
-def _batches(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
-             rng: random.Random) -> dict[int, float]:
-    """Seconds per batch of n random block reads over `lanes` threads, each batch waited
-    for before the next: the engine's pattern (one layer's misses, then compute)."""
-    from concurrent.futures import ThreadPoolExecutor
-    bufs = [mmap.mmap(-1, block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            for _ in range(max(STORAGE_BATCHES))]
-    times: dict[int, list[float]] = {n: [] for n in STORAGE_BATCHES}
+def _batches(path: str, layers: list[list[tuple[int, int]]], block: int,
+             lanes: tuple[int, ...], odirect: bool, rng: random.Random,
+             cancel: threading.Event | None) -> dict[int, dict[int, float]]:
+    """Seconds per batch of n block reads through the engine's own reader
+    (`ExpertReader.read_all`: the reads spread over its lanes, the batch waited for before
+    the next), shaped as decode reads one layer's misses: a random layer, the n blocks
+    from its expert tensors in turn (gate, up, down of one expert, then the next), for
+    each lane count; the median batch of each, in interleaved rounds. Where a layer's
+    tensors lie matters to a disk (seeks, the device's or a host's read-ahead), so the
+    blocks are not spread over the whole file. {} when it cannot read."""
+    from ..engine.experts.memory import AnonBuffer
+    from ..engine.experts.reader import ExpertReader, Read
 
-    def read(i: int, off: int) -> int:
-        return os.preadv(fd, [bufs[i]], off)
-
+    times: dict[int, dict[int, list[float]]] = {n: {k: [] for k in STORAGE_BATCHES}
+                                                for n in lanes}
+    buf = AnonBuffer(0, max(STORAGE_BATCHES) * block)
+    readers: dict[int, ExpertReader] = {}
+    per_cell = STORAGE_SECONDS_PER_BATCHES / STORAGE_ROUNDS / len(STORAGE_BATCHES)
     try:
-        with ThreadPoolExecutor(max(1, lanes), thread_name_prefix="bmoe-plan-batch") as pool:
-            for _ in range(STORAGE_ROUNDS):    # interleaved, as the lane counts
-                for n in STORAGE_BATCHES:
-                    deadline = time.perf_counter() + STORAGE_SECONDS_PER_BATCH / STORAGE_ROUNDS
-                    while time.perf_counter() < deadline or not times[n]:
-                        offs = [_pick(regions, block, rng) for _ in range(n)]
-                        t0 = time.perf_counter()
-                        for f in [pool.submit(read, i, off) for i, off in enumerate(offs)]:
-                            f.result()
-                        times[n].append(time.perf_counter() - t0)
-        # the median batch: a decode's token is read as its median too
-        out = {n: statistics.median(v) for n, v in times.items() if v}
+        for n in lanes:
+            readers[n] = ExpertReader(path, n, odirect)
+        for _ in range(STORAGE_ROUNDS):
+            for n, reader in readers.items():
+                for k in STORAGE_BATCHES:
+                    if cancel is not None and cancel.is_set():
+                        return {}
+                    deadline = time.perf_counter() + per_cell
+                    cell = times[n][k]
+                    while time.perf_counter() < deadline or not cell:
+                        group = rng.choice(layers)
+                        reads = [Read(_pick([group[i % len(group)]], block, rng), block, buf,
+                                      i * block) for i in range(k)]
+                        cell.append(reader.read_all(reads)[1])
+                    buf.release(0, buf.size - buf.phase)    # give the pages back
     except OSError:
         return {}
     finally:
-        for b in bufs:
-            b.close()
-    return out
+        for reader in readers.values():
+            reader.close()
+        buf.close()
+    return {n: {k: statistics.median(v) for k, v in t.items() if v} for n, t in times.items()}
 
 
 def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
