@@ -40,6 +40,12 @@ CTX_KV_SHARE = 0.10            # ... and only while its KV takes at most this of
 CTX_STEP = 1024
 RUNTIME_RESERVE = 128 * MIB    # what a load adds beyond the weights: compute buffers, the streamer
 STREAM_LAYER_S = 0.0005        # the graph callback's cost per MoE layer and token
+# CPU time beside the read wait for each expert a token reads: the cache's bookkeeping,
+# the victim's pages moved over, the lanes handed the reads and the compute threads woken
+# after them. Measured with bench/plan_accuracy.py on the 12-layer benchmark MoE (2
+# cores): the time per token that was not read wait grew by 0.19 ms for each expert read
+# per token, from 9.8 to 28.5 experts.
+MISS_CPU_S = 0.0002
 MMAP_FAULT_SLOWDOWN = 4.0      # page-fault reads against the lanes' direct reads
 MIN_MEASURED_TOKENS = 8        # a measured decode cost counts from this many tokens
 
@@ -520,6 +526,7 @@ def _predict(b: _Builder, regime: str, cache: int, budget: int,
         compute += STREAM_LAYER_S * p.n_moe_layer
         hit, source, text = _hit(b, cache)
         b.add("hit-curve", round(hit * 100, 1), source, text)
+        compute += MISS_CPU_S * p.n_expert_used * p.n_moe_layer * (1 - hit)
         io = p.token_cycle_bytes * (1 - hit) / rate_s if rate_s else 0.0
         batched = _batched_read_s(inp, hit)
         io = max(io, batched)
