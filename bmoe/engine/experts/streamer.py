@@ -788,7 +788,7 @@ class ExpertStreamer:
         """off (no background fill), filling, or done."""
         if not self._fill_units:
             return "off"
-        busy = any(not g.done.is_set() for u in self._filling
+        busy = any(not g.done.is_set() for u in list(self._filling)
                    if (g := self._inflight.get(u)) is not None)
         return "filling" if busy else "done"
 
