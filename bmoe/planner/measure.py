@@ -7,8 +7,8 @@ count)`` is called as each stage begins: the ``plan_progress`` events.
 The matmul probe runs llama.cpp's CPU backend, whose OpenMP build gives every thread
 that starts a graph a team of worker threads that lives as long as the process. A
 second team (the probe's, beside the decoding thread's) makes more OpenMP threads than
-cores, and libgomp then stops spinning at barriers: a decode's hundreds of barriers each
-sleep and wake, measured here at 0.019 s/token against 0.012 on a 2-core machine. So a
+cores, and then (most likely through libgomp's throttled spinning) a decode's hundreds of
+barriers each sleep and wake, measured here at 0.019 s/token against 0.012 on a 2-core machine. So a
 caller that decodes on another thread passes ``compute_on``, which runs the probe there
 (the server: on its engine thread).
 """
