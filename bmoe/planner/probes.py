@@ -37,7 +37,6 @@ from ..models.verdict import mem_available, memory_total
 MIB = 1 << 20
 GIB = 1 << 30
 ALIGN = 4096
-PAGE_BYTES = 4096
 NO_LIMIT = 1 << 60                 # cgroup v1 writes "no limit" as a number near 2^63
 STORAGE_SECONDS_PER_LANE = 0.24    # each lane count reads for this long, over the rounds
 STORAGE_ROUNDS = 3                 # lane counts and batch sizes are measured in this many
@@ -414,7 +413,7 @@ def _batches(path: str, layers: list[list[tuple[int, int]]], block: int,
     each lane count; the median batch of each, in interleaved rounds. Where a layer's
     tensors lie matters to a disk (seeks, the device's or a host's read-ahead), so the
     blocks are not spread over the whole file. {} when it cannot read."""
-    from ..engine.experts.memory import AnonBuffer
+    from ..engine.experts.memory import PAGE, AnonBuffer
     from ..engine.experts.reader import ExpertReader, Read
 
     times: dict[int, dict[int, list[float]]] = {n: {k: [] for k in STORAGE_BATCHES}
@@ -423,7 +422,7 @@ def _batches(path: str, layers: list[list[tuple[int, int]]], block: int,
     # the batches land in pages faulted in once, not in fresh ones: a fresh page costs a
     # fault and zeroing, about a fifth of a 1 MiB read's time on the machine measured.
     buf = AnonBuffer(0, max(STORAGE_BATCHES) * block)
-    buf.array[::PAGE_BYTES] = 0
+    buf.array[::PAGE] = 0
     readers: dict[int, ExpertReader] = {}
     per_cell = STORAGE_SECONDS_PER_BATCHES / STORAGE_ROUNDS / len(STORAGE_BATCHES)
     try:
