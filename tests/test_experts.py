@@ -60,6 +60,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "moe-f16": make_model(d / "moe-f16.gguf", dtype="f16", router_skew=1.0, seed=3,
                               **MOE),
         "dense": make_model(d / "dense.gguf", arch="qwen3"),
+        # 512 KiB slices (128 pages): enough pages to see how physically contiguous they are
+        "moe-wide": make_model(d / "moe-wide.gguf", n_layer=2, n_embd=512, n_expert=8,
+                               n_expert_used=4, n_ff_exp=512, dtype="f16", residual_scale=0.3,
+                               seed=5),
     }
 
 
@@ -906,3 +910,104 @@ def test_closing_drops_the_queued_fill(models: dict[str, Path],
     assert isinstance(st, ExpertStreamer) and st._fill_units == 32
     s.close()
     assert 0 < len(calls) < 32 * 3 // 2       # 96 reads were queued; most were dropped
+
+
+# -- fresh pages from transparent huge pages (huge-pages) ----------------------------------
+
+def physical_runs(addr: int, length: int) -> int | None:
+    """Physically contiguous runs of the pages at [addr, addr + length) of this process,
+    from /proc/self/pagemap; None where the kernel hides frame numbers (not root)."""
+    import struct
+
+    from bmoe.engine.experts.memory import PAGE
+    n = length // PAGE
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        data = os.pread(fd, 8 * n, addr // PAGE * 8)
+    finally:
+        os.close(fd)
+    entries = struct.unpack(f"<{n}Q", data)
+    assert all(e >> 63 for e in entries), "a page of the range is not present"
+    pfns = [e & ((1 << 55) - 1) for e in entries]
+    if not any(pfns):
+        return None
+    return 1 + sum(1 for a, b in zip(pfns, pfns[1:], strict=False) if b != a + 1)
+
+
+def thp_on() -> bool:
+    from bmoe.engine.experts.memory import thp_mode
+    return thp_mode() in ("always", "madvise")
+
+
+def test_page_supply_gives_zeroed_contiguous_pages() -> None:
+    from bmoe.engine.experts.memory import PAGE, AnonBuffer, PageSupply
+    supply = PageSupply(region=8 * MIB)
+    buf = AnonBuffer(576, 24 * MIB)
+    try:
+        if not thp_on():
+            assert not supply.give(buf.base, MIB) and supply.given_bytes == 0
+            return
+        given = []
+        for i in range(20):                       # 1 MiB interiors: regions run out, renew
+            addr, n = buf.interior(i * MIB, (i + 1) * MIB)
+            assert supply.give(addr, n)
+            given.append((addr, n))
+        assert supply.given_bytes == sum(n for _, n in given)
+        off = given[3][0] - buf.base
+        assert not buf.array[off:off + given[3][1]].any()          # fresh pages are zero
+        buf.array[off:off + 8] = 7                                  # and ours to write
+        runs = [physical_runs(a, n) for a, n in given]
+        if runs[0] is not None:                   # frame numbers visible (root): contiguous
+            assert sum(1 for r in runs if r is not None and r <= 2) >= 18, runs
+        assert supply.give(buf.base, 0) is False
+    finally:
+        supply.close()
+        buf.close()
+    assert not supply.give(buf.base, PAGE)        # closed: gives nothing
+
+
+def test_no_page_supply_where_the_kernel_has_no_huge_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bmoe.engine.experts import memory
+    never = tmp_path / "enabled"
+    never.write_text("always madvise [never]\n")
+    monkeypatch.setattr(memory, "THP_ENABLED", str(never))
+    assert memory.thp_mode() == "never" and not memory.PageSupply().enabled
+    monkeypatch.setattr(memory, "THP_ENABLED", str(tmp_path / "missing"))
+    assert memory.thp_mode() == "" and not memory.PageSupply().enabled
+
+
+@pytest.mark.parametrize("values", [{"cache-mb": 16}, {"cache-mb": 16, "prefetch": 1,
+                                                       "overlap": True},
+                                    {"load-all": True}, {"cache-mb": 32}],
+                         ids=["evicting", "read-ahead", "load-all", "fill"])
+def test_huge_pages_match_and_reads_land_in_contiguous_pages(
+        models: dict[str, Path], values: dict[str, Any]) -> None:
+    def check(st: ExpertStreamer) -> None:
+        for g in list(st._inflight.values()):       # read-ahead or fill still in flight
+            assert g.done.wait(30)
+        s, stats = st.summary(), st.stats()
+        assert s["huge_pages"] is thp_on()
+        if not thp_on():
+            return
+        assert stats["fresh_bytes"] > 0 and s["huge_pages_mib"] > 0
+        # every resident slice's interior pages: present, and few physical runs
+        runs = []
+        for layer, tensors in st._by_layer.items():
+            for t, buf in tensors:
+                for e in range(t.n_expert):
+                    if not st.cache.resident[layer, e]:
+                        continue
+                    addr, n = buf.interior(e * t.slice_bytes, (e + 1) * t.slice_bytes)
+                    if n:
+                        runs.append(physical_runs(addr, n))
+        assert runs
+        if runs[0] is not None:
+            assert sum(1 for r in runs if r <= 2) >= 0.9 * len(runs), runs
+
+    def off(st: ExpertStreamer) -> None:
+        assert st.summary()["huge_pages"] is False and st.stats()["fresh_bytes"] == 0
+
+    assert streamed(models["moe-wide"], check, **values) == resident(models, "moe-wide")
+    assert streamed(models["moe-wide"], off, **values, **{"huge-pages": False}) \
+        == resident(models, "moe-wide")

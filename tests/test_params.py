@@ -23,7 +23,7 @@ JSON_TYPE: dict[str, type | tuple[type, ...]] = {
 EXPECTED_ROWS = [
     "model", "mmproj", "image-max-tokens", "n-predict", "think", "ctx-size", "threads",
     "threads-batch", "trial-threads", "trial-overlap", "temp", "top-k", "top-p", "seed",
-    "moe-stream", "io-threads", "o-direct",
+    "moe-stream", "io-threads", "o-direct", "huge-pages",
     "prefetch", "spec-gate", "overlap", "cache-mb", "cache-policy",
     "cache-fill", "cache-floor-mb", "cache-ceil-mb", "dense-weights", "rpc", "rpc-layers", "force-cache", "load-all",
     "decide"]

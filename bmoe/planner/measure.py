@@ -70,7 +70,8 @@ def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: lis
     else:
         compute = probe_compute(facts, cancel=cancel)
     step(2)
-    storage = cached[1] if cached else probe_storage(facts, cancel=cancel)
+    storage = cached[1] if cached else probe_storage(
+        facts, cancel=cancel, huge_pages=bool(values.get("huge-pages", True)))
     step(3)
     memory = probe_memory(loaded_held)
     step(4)

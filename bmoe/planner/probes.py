@@ -21,7 +21,6 @@ list the planner needs (the expert tensors' offsets, the KV-cache shape).
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
 import statistics
@@ -355,7 +354,12 @@ def _layer_regions(facts: ModelFacts, block: int) -> list[list[tuple[int, int]]]
 
 def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
                   seconds: float = STORAGE_SECONDS_PER_LANE, seed: int | None = None,
-                  cancel: threading.Event | None = None) -> StorageFacts:
+                  cancel: threading.Event | None = None,
+                  huge_pages: bool = True) -> StorageFacts:
+    """Reads land in memory of the kind the engine reads into: with `huge_pages` (the
+    engine's `huge-pages`), pages carved from transparent huge pages (a virtual disk can
+    pay per physically contiguous run of the memory a read fills: see
+    `memory.PageSupply`), else pages faulted in one by one."""
     block = expert_block(facts)
     regions = _regions(facts, block)
     if not regions:
@@ -379,7 +383,8 @@ def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
             for n in lanes:
                 if cancel is not None and cancel.is_set():
                     break
-                got = _read_for(fd, regions, block, n, seconds / STORAGE_ROUNDS, rng)
+                got = _read_for(fd, regions, block, n, seconds / STORAGE_ROUNDS, rng,
+                                huge_pages)
                 if got is None:
                     out.reason = "the model's file could not be read with direct reads"
                     return StorageFacts(block, odirect=odirect, reason=out.reason)
@@ -389,8 +394,7 @@ def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
     finally:
         os.close(fd)
     if out.rates and not (cancel is not None and cancel.is_set()):
-        out.lane_batch_s = _batches(str(facts.path), _layer_regions(facts, block), block,
-                                    tuple(out.rates), odirect, rng, cancel)
+        out.lane_batch_s = _batches(facts, tuple(out.rates), odirect, rng, cancel, huge_pages)
         out.batch_lanes = out.best_lanes
         out.batch_s = dict(out.lane_batch_s.get(out.batch_lanes, {}))
     return out
@@ -403,31 +407,56 @@ def _pick(regions: list[tuple[int, int]], block: int, r: random.Random) -> int:
     return start + r.randrange(max(1, length // block)) * block
 
 
-def _batches(path: str, layers: list[list[tuple[int, int]]], block: int,
-             lanes: tuple[int, ...], odirect: bool, rng: random.Random,
-             cancel: threading.Event | None) -> dict[int, dict[int, float]]:
-    """Seconds per batch of n block reads through the engine's own reader
+def _slices(facts: ModelFacts) -> list[list[tuple[int, int, int]]]:
+    """Each MoE layer's expert tensors as (file offset of the data, bytes of one expert's
+    slice, experts): where the engine reads a layer's misses from."""
+    layers: dict[str, list[tuple[int, int, int]]] = {}
+    n = facts.probe.n_expert
+    for t in facts.expert_tensors():
+        if n and t.nbytes >= n:
+            layer = t.name.split(".")[1] if t.name.startswith("blk.") else t.name
+            layers.setdefault(layer, []).append((facts.data_start + t.offset, t.nbytes // n, n))
+    return list(layers.values())
+
+
+def _batches(facts: ModelFacts, lanes: tuple[int, ...], odirect: bool, rng: random.Random,
+             cancel: threading.Event | None, huge_pages: bool) -> dict[int, dict[int, float]]:
+    """Seconds per batch of n reads through the engine's own reader
     (`ExpertReader.read_all`: the reads spread over its lanes, the batch waited for before
-    the next), shaped as decode reads one layer's misses: a random layer, the n blocks
-    from its expert tensors in turn (gate, up, down of one expert, then the next), for
-    each lane count; the median batch of each, in interleaved rounds. Where a layer's
-    tensors lie matters to a disk (seeks, the device's or a host's read-ahead), so the
-    blocks are not spread over the whole file. {} when it cannot read."""
-    from ..engine.experts.memory import PAGE, AnonBuffer
+    the next), made as decode makes one layer's misses: a random layer, random experts of
+    it, each expert's slice of its gate, up and down tensors at the slice's own offset and
+    length (the reader widens them to whole pages as it does the engine's); for each lane
+    count, the median batch of each size, in interleaved rounds. The reads land in pages
+    held from the start, of the kind the engine's misses land in (a victim's, moved over,
+    or fresh ones from its `PageSupply`): a fresh page costs a fault, and scattered pages
+    cost a virtual disk per run. {} when it cannot read."""
+    from ..engine.experts.memory import PAGE, AnonBuffer, PageSupply, page_ceil
     from ..engine.experts.reader import ExpertReader, Read
 
+    layers = _slices(facts)
+    if not layers:
+        return {}
+    largest = max(s for layer in layers for _, s, _ in layer)
+    stride = page_ceil(largest) + PAGE              # one read's widened pages, whatever phase
+    slots = max(STORAGE_BATCHES)
     times: dict[int, dict[int, list[float]]] = {n: {k: [] for k in STORAGE_BATCHES}
                                                 for n in lanes}
-    # The engine reads a miss into pages it already holds (a victim's, moved over), so
-    # the batches land in pages faulted in once, not in fresh ones: a fresh page costs a
-    # fault and zeroing, about a fifth of a 1 MiB read's time on the machine measured.
-    buf = AnonBuffer(0, max(STORAGE_BATCHES) * block)
-    buf.array[::PAGE] = 0
+    supply = PageSupply() if huge_pages else None
+    # One slot per read, twice over; a read of file offset o lands at its slot's start
+    # (the reader places slice byte 0 at data + at - o % PAGE). Each read first takes
+    # over the pages its slot holds in the other half, as a miss takes over a victim's
+    # (moved in the lane: `Read.moves`); edge pages are faulted in once, as the
+    # engine's (shared with the neighbouring slices) are.
+    buf = AnonBuffer(0, 2 * slots * stride)
     readers: dict[int, ExpertReader] = {}
     per_cell = STORAGE_SECONDS_PER_BATCHES / STORAGE_ROUNDS / len(STORAGE_BATCHES)
+    held = [0] * slots                 # which half holds each slot's pages: 0 or `slots`
     try:
+        if supply is not None:
+            supply.give(buf.base, slots * stride)
+        buf.array[:slots * stride:PAGE] = 0
         for n in lanes:
-            readers[n] = ExpertReader(path, n, odirect)
+            readers[n] = ExpertReader(str(facts.path), n, odirect)
         for _ in range(STORAGE_ROUNDS):
             for n, reader in readers.items():
                 for k in STORAGE_BATCHES:
@@ -436,9 +465,23 @@ def _batches(path: str, layers: list[list[tuple[int, int]]], block: int,
                     deadline = time.perf_counter() + per_cell
                     cell = times[n][k]
                     while time.perf_counter() < deadline or not cell:
-                        group = rng.choice(layers)
-                        reads = [Read(_pick([group[i % len(group)]], block, rng), block, buf,
-                                      i * block) for i in range(k)]
+                        layer = rng.choice(layers)
+                        experts = rng.sample(range(layer[0][2]), min(layer[0][2],
+                                                                       -(-k // len(layer))))
+                        reads: list[Read] = []
+                        for off, size, _ in layer:
+                            for e in experts:
+                                o, i = off + e * size, len(reads)
+                                if i == k:
+                                    break
+                                src, dst = held[i], slots - held[i]      # 0 or `slots`
+                                held[i] = dst
+                                lo = (PAGE if o % PAGE else 0)       # the slice's interior
+                                hi = (o % PAGE + size) // PAGE * PAGE
+                                moves = (((src + i) * stride + lo + buf.base,
+                                          (dst + i) * stride + lo + buf.base, hi - lo),)
+                                reads.append(Read(o, size, buf, (dst + i) * stride + o % PAGE,
+                                                  moves if hi > lo else ()))
                         cell.append(reader.read_all(reads)[1])
     except OSError:
         return {}
@@ -446,27 +489,39 @@ def _batches(path: str, layers: list[list[tuple[int, int]]], block: int,
         for reader in readers.values():
             reader.close()
         buf.close()
+        if supply is not None:
+            supply.close()
     return {n: {k: statistics.median(v) for k, v in t.items() if v} for n, t in times.items()}
 
 
 def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
-              seconds: float, rng: random.Random) -> tuple[int, float] | None:
-    """(bytes, seconds) of random block reads over ``lanes`` threads for ``seconds``."""
+              seconds: float, rng: random.Random,
+              huge_pages: bool = True) -> tuple[int, float] | None:
+    """(bytes, seconds) of random block reads over ``lanes`` threads for ``seconds``, each
+    lane into memory of the engine's kind (see `probe_storage`)."""
+    from ..engine.experts.memory import PAGE, AnonBuffer, PageSupply
+
     seeds = [rng.randrange(1 << 30) for _ in range(lanes)]
     done = [0] * lanes
     failed: list[str] = []
+    supply = PageSupply() if huge_pages else None
+    bufs = [AnonBuffer(0, block) for _ in range(lanes)]
+    for b in bufs:
+        if supply is not None:
+            supply.give(b.base, b.size)
+        b.array[::PAGE] = 0
     deadline = time.perf_counter() + seconds
 
     def lane(i: int) -> None:
         r = random.Random(seeds[i])
-        buf = mmap.mmap(-1, block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = bufs[i].view[:block]
         try:
             while time.perf_counter() < deadline:
-                done[i] += os.preadv(fd, [buf], _pick(regions, block, r))
+                done[i] += os.preadv(fd, [view], _pick(regions, block, r))
         except OSError as e:
             failed.append(e.strerror or "error")
         finally:
-            buf.close()
+            view.release()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=lane, args=(i,), name=f"bmoe-plan-read-{i}")
@@ -475,6 +530,10 @@ def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
         t.start()
     for t in threads:
         t.join()
+    for b in bufs:
+        b.close()
+    if supply is not None:
+        supply.close()
     if failed:
         return None
     return sum(done), max(1e-9, time.perf_counter() - t0)

@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,6 +225,101 @@ def discard_pages(addr: int, length: int) -> None:
     """MADV_DONTNEED on a page-aligned range of an anonymous mapping of ours."""
     if _libc.madvise(addr, length, mmap.MADV_DONTNEED) != 0:
         raise _oserror("madvise(MADV_DONTNEED)")
+
+
+HUGE = 2 << 20                      # a transparent huge page on x86-64 and arm64 (4 KiB base)
+_MADV_HUGEPAGE = 14
+_SUPPLY_REGION = 64 << 20          # fresh pages are carved from regions of this size
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str | None = None) -> str:
+    """The kernel's transparent huge page mode (`always`, `madvise`, `never`), or ""."""
+    try:
+        with open(path or THP_ENABLED) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
+
+
+class PageSupply:
+    """Fresh pages for expert slices, physically contiguous where the kernel allows.
+
+    An O_DIRECT read lands in the pages the caller gives it; the kernel hands the device
+    one scatter-gather segment per physically contiguous run. Pages faulted in one by one
+    (as a read into untouched memory does) are scattered: a 1 MiB read then carries ~256
+    segments. On a virtual disk that pays per segment the difference is the disk's speed:
+    measured on a Firecracker VM, 1 MiB O_DIRECT reads into scattered pages ran at
+    620-680 MiB/s, into huge-page-backed ones (1 segment) at 1,440 MiB/s, interleaved.
+
+    So a slice read into pages it never had first receives pages carved from a region
+    advised `MADV_HUGEPAGE` (2 MiB pages, each zeroed in one go), moved into place by
+    `move_pages`; they stay 4 KiB-mapped there (the huge page is split) but keep their
+    physical run, and recycling moves whole slices' pages on to later misses. At most
+    the rest of one huge page is committed here beyond what was handed out. Thread-safe:
+    the reader's lanes take pages as they read. Off where the kernel has no transparent
+    huge pages (`never`): then faulting in is as good.
+    """
+
+    def __init__(self, region: int = _SUPPLY_REGION) -> None:
+        self.region = max(HUGE, region // HUGE * HUGE)
+        self.enabled = thp_mode() in ("always", "madvise")
+        self.given_bytes = 0
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._array: np.ndarray | None = None
+        self._start = self._pos = self._end = 0
+
+    def give(self, dst: int, length: int) -> bool:
+        """Move `length` bytes of fresh committed pages to page-aligned `dst` (replacing
+        whatever was mapped there); False when none could be given (the caller's read
+        then faults pages in as before)."""
+        if not self.enabled or length <= 0:
+            return False
+        with self._lock:
+            try:
+                if self._map is None or self._pos + length > self._end:
+                    self._new_region(length)
+                assert self._array is not None
+                lo = self._pos - self._start
+                self._array[lo:lo + length:PAGE] = 0       # fault in: huge pages, zeroed
+                move_pages(self._pos, dst, length)
+            except OSError:
+                self.enabled = False                        # never again: fault in instead
+                self._drop()
+                return False
+            self._pos += length
+            self.given_bytes += length
+            return True
+
+    def _new_region(self, length: int) -> None:
+        self._drop()
+        size = max(self.region, -(-length // HUGE) * HUGE)
+        m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        array = np.frombuffer(m, dtype=np.uint8)
+        base = int(array.ctypes.data)
+        skip = -base % HUGE                                  # start on a huge page boundary
+        if _libc.madvise(base + skip, size, _MADV_HUGEPAGE) != 0:
+            del array
+            m.close()
+            raise _oserror("madvise(MADV_HUGEPAGE)")
+        self._map, self._array = m, array
+        self._start = base
+        self._pos, self._end = base + skip, base + skip + size
+
+    def _drop(self) -> None:
+        # What is left of a region is the unused tail: pages moved out are mapped elsewhere.
+        if self._map is not None:
+            self._array = None
+            self._map.close()
+            self._map = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+            self.enabled = False
 
 
 def map_count() -> int:

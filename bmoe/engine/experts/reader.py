@@ -28,7 +28,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from .memory import AnonBuffer, discard_pages, move_pages, page_ceil, page_floor
+from .memory import AnonBuffer, PageSupply, discard_pages, move_pages, page_ceil, page_floor
+
+FRESH = -1     # a move's source: fresh pages from the reader's PageSupply
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,9 @@ class Read:
     length: int
     buffer: AnonBuffer
     at: int            # offset of the slice from buffer.data
-    moves: tuple[tuple[int, int, int], ...] = ()   # (src, dst, length): pages to recycle
+    # (src, dst, length): pages to recycle into the slice before reading, src FRESH for
+    # fresh pages from the reader's supply (physically contiguous: see PageSupply)
+    moves: tuple[tuple[int, int, int], ...] = ()
 
 
 class ExpertReader:
@@ -59,6 +63,7 @@ class ExpertReader:
                       if self.lanes > 1 else None)
         self.file_size = os.fstat(self.buffered_fd).st_size
         self.queue: LaneQueue | None = None
+        self.supply: PageSupply | None = None
 
     def start_queue(self) -> LaneQueue:
         """Switch to queued lanes (read-ahead): `lanes` threads on one priority queue."""
@@ -145,8 +150,13 @@ class ExpertReader:
         return got
 
     def _recycle(self, moves: tuple[tuple[int, int, int], ...]) -> None:
-        """Hand a victim's committed pages to the slice about to be read (in the lane)."""
+        """Hand a victim's committed pages (or fresh ones) to the slice about to be read
+        (in the lane)."""
         for src, dst, n in moves:
+            if src == FRESH:
+                if self.supply is not None:
+                    self.supply.give(dst, n)
+                continue
             if self.recycle:
                 try:
                     move_pages(src, dst, n)
@@ -165,6 +175,8 @@ class ExpertReader:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.supply is not None:
+            self.supply.close()
         if self.direct_fd >= 0:
             os.close(self.direct_fd)
             self.direct_fd = -1

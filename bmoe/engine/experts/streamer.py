@@ -78,6 +78,7 @@ from .memory import (
     AnonBuffer,
     FileMapping,
     MappingProbe,
+    PageSupply,
     drop_mapped,
     map_count,
     max_map_count,
@@ -87,7 +88,7 @@ from .memory import (
     pin_anonymous,
     resident_fraction,
 )
-from .reader import ExpertReader, LaneQueue, Read, ReadGroup
+from .reader import FRESH, ExpertReader, LaneQueue, Read, ReadGroup
 
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
@@ -239,6 +240,8 @@ class ExpertStreamer:
         # the edge page between two slices): stay well inside the kernel's map limit.
         slices = sum(t.n_expert for t in self.layout.experts)
         self.reader.recycle = 2 * slices + map_count() < 0.8 * max_map_count()
+        if self.reader.recycle and self.values.get("huge-pages", True):
+            self.reader.supply = PageSupply()
         if self.budget.mode == "all":
             self._load_all()
         elif self.prefetch and isinstance(self.cache, ExpertCache):
@@ -325,7 +328,9 @@ class ExpertStreamer:
                 end = min(t.offset + t.nbytes, page_floor(start + _LOAD_ALL_CHUNK))
                 if end <= start:
                     end = t.offset + t.nbytes
-                reads.append(Read(start, end - start, buf, start - t.offset))
+                dst, n = buf.interior(start - t.offset, end - t.offset)
+                fresh = ((FRESH, dst, n),) if n and self.reader.supply is not None else ()
+                reads.append(Read(start, end - start, buf, start - t.offset, fresh))
                 start = end
         n, secs = self.reader.read_all(reads)
         self.cache.fill()
@@ -583,7 +588,8 @@ class ExpertStreamer:
                 self._spec[j, e] = True
                 for r in reads:
                     for src, _, _ in r.moves:
-                        self._pending_out[self._unit_at(src)] = g
+                        if src != FRESH:
+                            self._pending_out[self._unit_at(src)] = g
                 groups.append(g)
             for length, pages in spare.items():
                 for buf, addr in pages:
@@ -653,6 +659,7 @@ class ExpertStreamer:
             else:
                 runs.append([e, e + 1])
         recycle = self.reader is not None and self.reader.recycle
+        fresh = self.reader is not None and self.reader.supply is not None
         reads = []
         for t, buf in self._by_layer.get(layer, ()):
             s = t.slice_bytes
@@ -663,6 +670,8 @@ class ExpertStreamer:
                     pages = spare.get(n)
                     if pages:
                         moves.append((pages.pop()[1], dst, n))
+                    elif n and fresh:
+                        moves.append((FRESH, dst, n))
                 reads.append(Read(t.offset + e0 * s, (e1 - e0) * s, buf, e0 * s, tuple(moves)))
         return reads
 
@@ -780,6 +789,10 @@ class ExpertStreamer:
             "odirect": bool(self.reader and self.reader.odirect),
             "odirect_fallback": self.reader.fallback_reason if self.reader else "",
             "io_threads": self.reader.lanes if self.reader else 0,
+            "huge_pages": bool(self.reader and self.reader.supply
+                               and self.reader.supply.enabled),
+            "huge_pages_mib": round(self.reader.supply.given_bytes / MIB, 1)
+            if self.reader and self.reader.supply else 0.0,
             "dense_weights": self.dense_mode,
             "dense_resident_frac": self.dense_resident_frac(),
         }
@@ -806,6 +819,8 @@ class ExpertStreamer:
                 "rereads": c.rereads, "resident_bytes": self._resident_bytes(),
                 "budget_bytes": self.budget.bytes,
                 "moved_bytes": self.reader.moved_bytes if self.reader else 0,
+                "fresh_bytes": self.reader.supply.given_bytes
+                if self.reader and self.reader.supply else 0,
                 **self._callback_stats()}
 
     def _callback_stats(self) -> dict[str, Any]:
