@@ -10,8 +10,9 @@ cgroup, the page cache dropped before each run):
 1. `plan`     — in a process inside the cap, the planner measures (compute, storage,
                 memory) and plans with no routing record of this model; the same process
                 then loads with the plan's values and teacher-forces `--tokens` tokens of
-                English text (the first `--warmup` not timed): predicted s/token against
-                the measured median. Its decoded tokens' routing is kept.
+                English text, timed from the token the cache is full at (and not before
+                `--warmup`): predicted s/token, a steady decode's, against the measured
+                median. Its decoded tokens' routing is kept.
 2. `plan+rec` — the same, now that the routing record exists (the hit rate read off the
                 model's own LRU curve). No measured decode cost is fed back: the
                 prediction is the cost model's alone.
@@ -86,25 +87,38 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = s.tokenize(TEXT)[: spec["tokens"]]
     cancel = threading.Event()
     walls: list[float] = []
-    before: dict[str, Any] = {}
+    waits: list[float] = []                   # per token: the reads waited for
+    totals: list[tuple[float, int]] = []      # after each token: (read wait, bytes read)
+    start = len(tokens)                       # the first timed token: warmed up, cache full
     for i in range(1, len(tokens) + 1):
-        if st is not None and i == spec["warmup"] + 1:
-            before = st.stats()
         if st is not None:
             st.token_begin()
+            io0 = st.stats()["io_s"]
         t = time.perf_counter()
         s.prefill(tokens[:i], cancel)        # the KV holds tokens[:i-1]: one decoded token
         walls.append(time.perf_counter() - t)
+        full = True
         if st is not None:
             st.token_end()
+            now = st.stats()
+            waits.append(now["io_s"] - io0)
+            totals.append((now["io_s"], now["read_bytes"]))
+            full = now["resident_bytes"] >= 0.95 * now["budget_bytes"]
+        if full and i >= spec["warmup"] and start == len(tokens):
+            start = i
     out["walls"] = walls
+    out["waits"] = waits
+    out["timed_from"] = start
     if st is not None:
         out["hit_pct"] = st.summary()["cache_hit_pct"]
-        after, n = st.stats(), max(1, len(tokens) - spec["warmup"])
+        n = max(1, len(tokens) - start)
+        io0, b0 = totals[start - 1] if start else (0.0, 0)
         # per timed token: the reads waited for, and the rest (compute and callbacks)
-        out["read_s"] = (after["io_s"] - before.get("io_s", 0.0)) / n
-        out["read_mib"] = (after["read_bytes"] - before.get("read_bytes", 0)) / n / (1 << 20)
-        timed = sum(walls[spec["warmup"]:]) / n
+        out["read_s"] = (totals[-1][0] - io0) / n
+        out["read_mib"] = (totals[-1][1] - b0) / n / (1 << 20)
+        out["timed_hit_pct"] = 100.0 * (1 - out["read_mib"] * (1 << 20) /
+                                        max(1, facts_cycle(spec["model"])))
+        timed = sum(walls[start:]) / n
         out["other_s"] = timed - out["read_s"]
         if spec.get("keep_routing"):
             from bmoe.planner.probes import model_facts
@@ -117,6 +131,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                           n_expert_used=p.n_expert_used)
     s.close()
     return out
+
+
+def facts_cycle(model: str) -> int:
+    from bmoe.planner.probes import model_facts
+    return model_facts(model).probe.token_cycle_bytes
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -135,7 +154,7 @@ def run(name: str, spec: dict[str, Any], cap: MemoryCap, args: argparse.Namespac
         print(f"  {name:14s} failed ({why}): {proc.stderr.strip()[-300:]}", flush=True)
         return {"failed": why}
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    w = res["walls"][args.warmup:]
+    w = res["walls"][res["timed_from"]:]
     res["median"] = statistics.median(w)
     res["elapsed_s"] = time.monotonic() - t0
     res["peak_mib"] = cap.peak() / MIB
@@ -144,8 +163,15 @@ def run(name: str, spec: dict[str, Any], cap: MemoryCap, args: argparse.Namespac
             f"median {res['median']:.4f} s/tok  hits {res.get('hit_pct', -1):5.1f} %  "
             f"peak {res['peak_mib']:.0f} MiB")
     if "read_s" in res:
-        line += (f"\n  {'':14s} per timed token: reads waited {res['read_s']:.4f} s "
-                 f"({res['read_mib']:.1f} MiB), the rest {res['other_s']:.4f} s (mean)")
+        timed = list(zip(res["walls"][res["timed_from"]:], res["waits"][res["timed_from"]:],
+                         strict=True))
+        res["read_median_s"] = statistics.median(r for _, r in timed)
+        res["rest_median_s"] = statistics.median(w - r for w, r in timed)
+        line += (f"\n  {'':14s} timed from token {res['timed_from'] + 1} (cache full), "
+                 f"hits there {res['timed_hit_pct']:.1f} %"
+                 f"\n  {'':14s} per timed token: reads waited {res['read_s']:.4f} s "
+                 f"({res['read_mib']:.1f} MiB), the rest {res['other_s']:.4f} s (mean); "
+                 f"medians {res['read_median_s']:.4f} s and {res['rest_median_s']:.4f} s")
     if "plan" in res:
         pr = res["plan"]["predicted"]
         pred = pr.get("s_per_token", 0.0)
@@ -239,7 +265,7 @@ def merge(rs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     ok = [r for r in rs if "walls" in r]
     if not ok:
         return {"failed": [r.get("failed") for r in rs]}
-    walls = [w for r in ok for w in r["walls"][args.warmup:]]
+    walls = [w for r in ok for w in r["walls"][r["timed_from"]:]]
     out: dict[str, Any] = {"median": statistics.median(walls), "values": ok[0]["values"],
                            "runs": [r["median"] for r in ok], "walls": walls}
     preds = [r["plan"]["predicted"].get("s_per_token", 0.0) for r in ok if "plan" in r]
@@ -271,7 +297,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", default=os.path.expanduser("~/.cache/bmoe-bench"))
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--caps", default="0.25,0.40,0.70")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2,
                    help="run every setting this often, in turn, and merge")

@@ -978,9 +978,8 @@ def test_no_page_supply_where_the_kernel_has_no_huge_pages(
 
 
 @pytest.mark.parametrize("values", [{"cache-mb": 16}, {"cache-mb": 16, "prefetch": 1,
-                                                       "overlap": True},
-                                    {"load-all": True}, {"cache-mb": 32}],
-                         ids=["evicting", "read-ahead", "load-all", "fill"])
+                                                       "overlap": True}],
+                         ids=["evicting", "read-ahead"])
 def test_huge_pages_match_and_reads_land_in_contiguous_pages(
         models: dict[str, Path], values: dict[str, Any]) -> None:
     def check(st: ExpertStreamer) -> None:
@@ -1011,3 +1010,15 @@ def test_huge_pages_match_and_reads_land_in_contiguous_pages(
     assert streamed(models["moe-wide"], check, **values) == resident(models, "moe-wide")
     assert streamed(models["moe-wide"], off, **values, **{"huge-pages": False}) \
         == resident(models, "moe-wide")
+
+
+@pytest.mark.parametrize("values", [{"load-all": True}, {"cache-mb": 32}],
+                         ids=["load-all", "fill"])
+def test_no_huge_pages_when_every_expert_fits(models: dict[str, Path],
+                                              values: dict[str, Any]) -> None:
+    """Each expert is then read once: contiguous pages would not pay for themselves."""
+    def check(st: ExpertStreamer) -> None:
+        assert st.reader is not None and st.reader.supply is None
+        assert st.summary()["huge_pages"] is False and st.stats()["fresh_bytes"] == 0
+
+    assert streamed(models["moe-wide"], check, **values) == resident(models, "moe-wide")

@@ -39,7 +39,12 @@ CTX_MAX_PLANNED = 65536        # the plan grows the context no further on its ow
 CTX_KV_SHARE = 0.10            # ... and only while its KV takes at most this of memory
 CTX_STEP = 1024
 RUNTIME_RESERVE = 128 * MIB    # what a load adds beyond the weights: compute buffers, the streamer
-STREAM_LAYER_S = 0.0005        # the graph callback's cost per MoE layer and token
+# The streamer's cost per MoE layer and token beside the matmuls and the reads: the graph
+# callback, the cache's admission, the compute threads resumed after the layer's reads.
+# Measured with bench/plan_accuracy.py on the 12-layer benchmark MoE (2 cores): the time
+# per token that was not read wait exceeded the rest of the compute term by a median of
+# 3.6 ms over 12 runs at three caches (0.3 ms a layer above the 0.5 ms first assumed).
+STREAM_LAYER_S = 0.0008
 # CPU time beside the read wait for each expert a token reads: the cache's bookkeeping,
 # the victim's pages moved over, the lanes handed the reads and the compute threads woken
 # after them. Measured with bench/plan_accuracy.py on the 12-layer benchmark MoE (2

@@ -240,7 +240,12 @@ class ExpertStreamer:
         # the edge page between two slices): stay well inside the kernel's map limit.
         slices = sum(t.n_expert for t in self.layout.experts)
         self.reader.recycle = 2 * slices + map_count() < 0.8 * max_map_count()
-        if self.reader.recycle and self.values.get("huge-pages", True):
+        # Contiguous pages pay on every later read into them: when the cache turns over.
+        # A cache that holds every expert reads each once, and committing huge pages can
+        # cost more than faulting in pages freed moments ago (on a VM that hands freed
+        # 2 MiB blocks back to its host, each is backed anew: ~3 ms per MiB measured).
+        if (self.reader.recycle and self.values.get("huge-pages", True)
+                and self.budget.mode != "all" and self.budget.bytes < self.layout.expert_bytes):
             self.reader.supply = PageSupply()
         if self.budget.mode == "all":
             self._load_all()
