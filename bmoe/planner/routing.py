@@ -193,9 +193,10 @@ POLICY_TOKENS = 256          # newest tokens replayed through the engine's own c
 def policy_hit_rate(record: RoutingRecord, capacity_units: int, policy: str) -> float:
     """The fraction of routed lookups the engine's own cache (`ExpertCache`, with the
     session's replacement policy: same admissions, same victims) hits at
-    ``capacity_units``, over the newest POLICY_TOKENS tokens once the cache is full. The default policy learns reuse from the routing, so it hits more
-    than an LRU of the same size (44 % against LRU's 41 % at the smallest cap of
-    bench/plan_accuracy.py); LRU is kept for ``lru`` and as the fallback."""
+    ``capacity_units``, over the newest POLICY_TOKENS tokens once the cache is full.
+    The default policy learns reuse from the routing, so it hits more than an LRU of the
+    same size (44 % against LRU's 41 % at the smallest cap of bench/plan_accuracy.py);
+    LRU is kept for ``lru`` and as the fallback."""
     from ..engine.experts.cache import POLICIES, ExpertCache
 
     ids = record.ids[-POLICY_TOKENS:]

@@ -228,7 +228,7 @@ def discard_pages(addr: int, length: int) -> None:
 
 
 HUGE = 2 << 20                      # a transparent huge page on x86-64 and arm64 (4 KiB base)
-_MADV_HUGEPAGE = 14
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
 _SUPPLY_REGION = 64 << 20          # fresh pages are carved from regions of this size
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -286,6 +286,9 @@ class PageSupply:
                 lo = self._pos - self._start
                 self._array[lo:lo + length:PAGE] = 0       # fault in: huge pages, zeroed
                 move_pages(self._pos, dst, length)
+                # the moved range is its own mapping and took the region's advice along:
+                # drop it, so khugepaged never collapses (copies) a slice we read into
+                _libc.madvise(dst, length, _MADV_NOHUGEPAGE)
             except OSError:
                 self.enabled = False                        # never again: fault in instead
                 self._drop()
