@@ -1,6 +1,6 @@
 """Does the planner predict its own speed, and does it pick well? Under real memory caps.
 
-    sudo .venv/bin/python bench/plan_accuracy.py          # about 3 minutes here, quiet
+    sudo .venv/bin/python bench/plan_accuracy.py          # about 7 minutes here, quiet
 
 Writes the benchmark MoE of bench/stream_vs_mmap.py (qwen3moe, 64 experts, top-4, F16,
 router skew and local context; `--layers` sets its size), then for each memory cap
@@ -13,9 +13,9 @@ cgroup, the page cache dropped before each run):
                 English text, timed from the token the cache is full at (and not before
                 `--warmup`): predicted s/token, a steady decode's, against the measured
                 median. Its decoded tokens' routing is kept.
-2. `plan+rec` — the same, now that the routing record exists (the hit rate read off the
-                model's own LRU curve). No measured decode cost is fed back: the
-                prediction is the cost model's alone.
+2. `plan+rec` — the same, now that the routing record exists (the hit rate: the record
+                replayed through the engine's own cache and policy). No measured decode
+                cost is fed back: the prediction is the cost model's alone.
 3. `grid`     — hand-picked settings in the same cap: cache-mb of one token cycle, half
                 the plan's and the plan's, at 1 and 2 compute threads.
 
