@@ -78,7 +78,7 @@ def direct_read_rate(path: Path, chunk: int, count: int, lanes: int, seed: int =
     into memory the engine reads into (pages from transparent huge pages where the kernel
     has them: physically contiguous, which a virtual disk can read up to twice as fast
     as into pages faulted in one by one; see the engine's `huge-pages`)."""
-    from bmoe.engine.experts.memory import PAGE, AnonBuffer, PageSupply
+    from bmoe.engine.experts.memory import AnonBuffer, PageSupply
     size = path.stat().st_size
     rng = random.Random(seed)
     offsets = [rng.randrange(0, (size - chunk) // 4096) * 4096 for _ in range(count)]
@@ -86,8 +86,7 @@ def direct_read_rate(path: Path, chunk: int, count: int, lanes: int, seed: int =
     supply = PageSupply()
     bufs = [AnonBuffer(0, chunk) for _ in range(lanes)]
     for b in bufs:
-        supply.give(b.base, b.size)
-        b.array[::PAGE] = 0
+        supply.commit(b)
 
     def work(i: int) -> int:
         view = bufs[i].view[:chunk]

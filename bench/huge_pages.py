@@ -21,7 +21,6 @@ import argparse
 import os
 import random
 import statistics
-import struct
 import sys
 import threading
 import time
@@ -34,26 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MIB, drop_caches  # noqa: E402
 
 
-def runs_of(addr: int, length: int) -> int | None:
-    """Physically contiguous runs of our pages at [addr, addr + length); None if hidden."""
-    from bmoe.engine.experts.memory import PAGE
-    n = length // PAGE
-    try:
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        raw = os.pread(fd, 8 * n, addr // PAGE * 8)
-        pfns = [e & ((1 << 55) - 1) for e in struct.unpack(f"<{n}Q", raw)]
-    finally:
-        os.close(fd)
-    if not any(pfns):
-        return None
-    return 1 + sum(1 for a, b in zip(pfns, pfns[1:], strict=False) if b != a + 1)
-
-
 def reads(model: Path, rounds: int) -> None:
-    from bmoe.engine.experts.memory import PAGE, AnonBuffer, PageSupply
+    from bmoe.engine.experts.memory import PAGE, AnonBuffer, PageSupply, physical_runs
     from bmoe.engine.experts.reader import ExpertReader, Read
     from bmoe.planner.probes import _slices, model_facts
 
@@ -62,11 +43,10 @@ def reads(model: Path, rounds: int) -> None:
     stride = -(-size // PAGE) * PAGE + PAGE
     supply = PageSupply()
     bufs = {"scattered": AnonBuffer(0, 8 * stride), "huge pages": AnonBuffer(0, 8 * stride)}
-    if not supply.give(bufs["huge pages"].base, bufs["huge pages"].size):
+    bufs["scattered"].array[::PAGE] = 0
+    if not supply.commit(bufs["huge pages"]):
         print("reads: the kernel gives no transparent huge pages here (mode never); skipped")
         return
-    for b in bufs.values():
-        b.array[::PAGE] = 0
     reader = ExpertReader(str(model), 2, True)
     rng = random.Random(1)
     spent = dict.fromkeys(bufs, 0.0)
@@ -83,7 +63,7 @@ def reads(model: Path, rounds: int) -> None:
     base = rounds * 8 * size / MIB / spent["scattered"]
     for name, buf in bufs.items():
         rate = rounds * 8 * size / MIB / spent[name]
-        r = [runs_of(buf.base + i * stride, stride - PAGE) for i in range(8)]
+        r = [physical_runs(buf.base + i * stride, stride - PAGE) for i in range(8)]
         where = f", {statistics.median(r)} runs per read" if r[0] is not None else ""
         print(f"reads  {name:11s} {rate:6.0f} MiB/s ({rate / base:.2f}x scattered){where}",
               flush=True)

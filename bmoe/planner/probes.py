@@ -441,7 +441,7 @@ def _batches(facts: ModelFacts, lanes: tuple[int, ...], odirect: bool, rng: rand
     slots = max(STORAGE_BATCHES)
     times: dict[int, dict[int, list[float]]] = {n: {k: [] for k in STORAGE_BATCHES}
                                                 for n in lanes}
-    supply = PageSupply() if huge_pages else None
+    supply = PageSupply(enabled=huge_pages)
     # One slot per read, twice over; a read of file offset o lands at its slot's start
     # (the reader places slice byte 0 at data + at - o % PAGE). Each read first takes
     # over the pages its slot holds in the other half, as a miss takes over a victim's
@@ -452,9 +452,7 @@ def _batches(facts: ModelFacts, lanes: tuple[int, ...], odirect: bool, rng: rand
     per_cell = STORAGE_SECONDS_PER_BATCHES / STORAGE_ROUNDS / len(STORAGE_BATCHES)
     held = [0] * slots                 # which half holds each slot's pages: 0 or `slots`
     try:
-        if supply is not None:
-            supply.give(buf.base, slots * stride)
-        buf.array[:slots * stride:PAGE] = 0
+        supply.commit(buf, slots * stride)
         for n in lanes:
             readers[n] = ExpertReader(str(facts.path), n, odirect)
         for _ in range(STORAGE_ROUNDS):
@@ -489,8 +487,7 @@ def _batches(facts: ModelFacts, lanes: tuple[int, ...], odirect: bool, rng: rand
         for reader in readers.values():
             reader.close()
         buf.close()
-        if supply is not None:
-            supply.close()
+        supply.close()
     return {n: {k: statistics.median(v) for k, v in t.items() if v} for n, t in times.items()}
 
 
@@ -499,17 +496,15 @@ def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
               huge_pages: bool = True) -> tuple[int, float] | None:
     """(bytes, seconds) of random block reads over ``lanes`` threads for ``seconds``, each
     lane into memory of the engine's kind (see `probe_storage`)."""
-    from ..engine.experts.memory import PAGE, AnonBuffer, PageSupply
+    from ..engine.experts.memory import AnonBuffer, PageSupply
 
     seeds = [rng.randrange(1 << 30) for _ in range(lanes)]
     done = [0] * lanes
     failed: list[str] = []
-    supply = PageSupply() if huge_pages else None
+    supply = PageSupply(enabled=huge_pages)
     bufs = [AnonBuffer(0, block) for _ in range(lanes)]
     for b in bufs:
-        if supply is not None:
-            supply.give(b.base, b.size)
-        b.array[::PAGE] = 0
+        supply.commit(b)
     deadline = time.perf_counter() + seconds
 
     def lane(i: int) -> None:
@@ -532,8 +527,7 @@ def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
         t.join()
     for b in bufs:
         b.close()
-    if supply is not None:
-        supply.close()
+    supply.close()
     if failed:
         return None
     return sum(done), max(1e-9, time.perf_counter() - t0)

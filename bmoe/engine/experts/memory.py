@@ -263,9 +263,9 @@ class PageSupply:
     huge pages (`never`): then faulting in is as good.
     """
 
-    def __init__(self, region: int = _SUPPLY_REGION) -> None:
+    def __init__(self, region: int = _SUPPLY_REGION, enabled: bool = True) -> None:
         self.region = max(HUGE, region // HUGE * HUGE)
-        self.enabled = thp_mode() in ("always", "madvise")
+        self.enabled = enabled and thp_mode() in ("always", "madvise")
         self.given_bytes = 0
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
@@ -297,6 +297,15 @@ class PageSupply:
             self.given_bytes += length
             return True
 
+    def commit(self, buf: AnonBuffer, length: int | None = None) -> bool:
+        """Commit the first `length` bytes of `buf` (all of it by default): fresh pages
+        given from here when it can, then every page touched, so all are present either
+        way. True when they came from here."""
+        n = buf.size if length is None else length
+        given = self.give(buf.base, n)
+        buf.array[:n:PAGE] = 0
+        return given
+
     def _new_region(self, length: int) -> None:
         self._drop()
         size = max(self.region, -(-length // HUGE) * HUGE)
@@ -323,6 +332,26 @@ class PageSupply:
         with self._lock:
             self._drop()
             self.enabled = False
+
+
+def physical_runs(addr: int, length: int) -> int | None:
+    """Physically contiguous runs of this process's present pages at [addr, addr + length)
+    (/proc/self/pagemap); None where the kernel hides frame numbers (without
+    CAP_SYS_ADMIN) or a page is not present."""
+    n = length // PAGE
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, 8 * n, addr // PAGE * 8)
+    finally:
+        os.close(fd)
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    pfns = entries & np.uint64((1 << 55) - 1)
+    if len(entries) != n or not (entries >> np.uint64(63)).all() or not pfns.any():
+        return None
+    return 1 + int(np.count_nonzero(np.diff(pfns.astype(np.int64)) != 1))
 
 
 def map_count() -> int:
