@@ -253,7 +253,11 @@ def generate_once(values: dict[str, Any], prompt: str, out: Console, *, progress
         if csv_path:
             csv_file = open(csv_path, "w", encoding="utf-8", newline="")
             csv_file.write(CSV_HEADER + "\n")
-        req = TurnRequest(messages=[{"role": "user", "content": prompt}],
+        # A model without a chat template (a base model) continues the prompt as text,
+        # as llama-cli does; one with a template answers it as a user's message.
+        chat = session.template is not None
+        req = TurnRequest(messages=[{"role": "user", "content": prompt}] if chat else [],
+                          raw_prompt=None if chat else [prompt],
                           max_tokens=int(values.get("n-predict") or 0),
                           think=bool(values.get("think", True)), **(constraint or {}))
         sink = TurnSink(out, progress, csv_file)
@@ -449,8 +453,11 @@ class SessionMode:
         if req["clear_kv"]:
             s.clear_kv()
         messages = [*history, {"role": "user", "content": req["prompt"]}]
-        turn = TurnRequest(messages=messages, max_tokens=req["n_predict"], think=req["think"],
-                           **self.constraint)
+        # without a chat template the session is one text the model continues
+        raw: list[str | int] | None = (
+            None if s.template is not None else ["".join(m["content"] for m in messages)])
+        turn = TurnRequest(messages=messages if raw is None else [], raw_prompt=raw,
+                           max_tokens=req["n_predict"], think=req["think"], **self.constraint)
         prepared = prepare(s, turn)
         if req["n_predict"] and len(prepared.tokens) + req["n_predict"] > s.n_ctx:
             raise EngineError("context_full", f"the prompt ({len(prepared.tokens)} tokens) plus "

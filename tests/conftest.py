@@ -18,6 +18,10 @@ from bmoe.modelmaker import make_model
 
 START_TIMEOUT_S = 60.0
 
+# Every bmoe-server a test starts (directly, through a helper, in a namespace) inherits
+# this and stops within a second of pytest's end: a crashed run leaves nothing running.
+os.environ["BMOE_PARENT_PID"] = str(os.getpid())
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import gguf
 import numpy as np
@@ -279,8 +279,29 @@ def test_templates_render_the_same_in_llama_cpp_python(key: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_cpp() -> Any:
-    return pytest.importorskip("llama_cpp")
+def llama_cpp() -> Iterator[Any]:
+    """llama-cpp-python's high-level ``Llama``, loading with the kernels the engine chose
+    for this host (``bmoe.engine.kernels``): its own default takes every extra buffer
+    type, whose AMX kernels crash on some CPUs. ``Llama`` has no parameter for it, so its
+    default model parameters are the engine's here."""
+    import llama_cpp as lc
+    import llama_cpp.llama_cpp as low
+
+    from bmoe.engine import kernels
+
+    choice = kernels.choose("auto")
+    default = low.llama_model_default_params
+
+    def chosen() -> Any:
+        params = default()
+        params.use_extra_bufts = choice.extra_bufts
+        return params
+
+    low.llama_model_default_params = chosen
+    try:
+        yield lc
+    finally:
+        low.llama_model_default_params = default
 
 
 @pytest.mark.parametrize("key", ["moe", "dense", "moe-f16", "moe-q8", "dense-q8", "ctx"])

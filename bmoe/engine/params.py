@@ -178,6 +178,17 @@ def _rows() -> tuple[Param, ...]:
              "Empty pairs the model with the projector in its folder whose header names "
              "the same model; name a file here to choose one yourself.",
              ""),
+        _row("chat-template", "Chat template", "text", "model", "advanced",
+             "The chat template to use instead of the model file's: a built-in's name "
+             "(chatml, gemma, llama3) or the template's Jinja text.",
+             "Empty uses the template the model file carries. A base model has none, so "
+             "it only continues text until one is named here.",
+             ""),
+        _row("chat-template-file", "Chat template file", "path", "model", "advanced",
+             "A Jinja chat template file to use instead of the model file's template.",
+             "Read once at load; it wins over Chat template. A change takes effect at the "
+             "next load.",
+             ""),
         _row("image-max-tokens", "Image tokens", "int", "model", "advanced",
              "The most tokens one image may take, for a projector whose count follows "
              "the image's size.",
@@ -338,6 +349,18 @@ def _rows() -> tuple[Param, ...]:
              "memory pressure evict them and read them again.",
              "anon", choices=(Named("mmap", "file mapping"),
                               Named("anon", "process memory"))),
+        _row("repack", "Weight repacking", "choice", "memory", "advanced",
+             "Whether a resident model may use llama.cpp's repacked-weight kernels.",
+             "llama.cpp can repack Q4_0, Q4_K, IQ4_NL and MXFP4 weights at load for wider "
+             "SIMD kernels (and use AMX tiles where built for them). auto checks once per "
+             "machine, in a child process, that those kernels run here and agree with the "
+             "file's own (this llama.cpp's AMX kernels crash on batches, so auto keeps "
+             "them off where AMX is present); on uses them unchecked; off never does. "
+             "The expert streamer always runs the file's own layout.",
+             "auto", choices=(Named("auto", "checked on this machine"),
+                              Named("on", "always, unchecked"),
+                              Named("off", "never")),
+             switches=(Switch("--no-repack", "off"), Switch("-nr", "off"))),
         _row("rpc", "RPC helpers", "text", "memory", "advanced",
              "Other machines (HOST:PORT, comma-separated) that hold some of the model's "
              "layers in their memory.",

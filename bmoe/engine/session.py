@@ -32,7 +32,9 @@ import llama_cpp as lc
 from .calibrate import Arm, Trial
 from .chatparse import detect_framing
 from .errors import EngineError, LoadError, context_full
+from . import builtin_templates, kernels
 from .grammar_guard import GrammarRefused, check_grammar
+from .kernels import KernelChoice
 from .sampling import Sampling, build_chain, top_logprobs
 from .templating import ChatTemplate, TemplateError
 from .vision import Vision, open_vision, reuse_start
@@ -42,6 +44,7 @@ log = logging.getLogger("bmoe.chat")
 SEED_RANDOM = 4294967295
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 PREFILL_CHUNK = 512  # tokens per llama_decode during a prefill
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file (the largest real ones are ~40 KiB)
 _GGML_LOG_LEVEL_ERROR = 4  # ggml.h enum ggml_log_level
 
 
@@ -137,6 +140,8 @@ class Session:
     compute_threads: int
     template_text: str
     template: ChatTemplate | None
+    kernels: KernelChoice
+    template_source: str
     bos_token: str
     eos_token: str
 
@@ -184,6 +189,8 @@ class Session:
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.load_mode = lc.LLAMA_LOAD_MODE_MMAP
+        self.kernels = self._kernel_choice()
+        mparams.use_extra_bufts = self.kernels.extra_bufts
         if self.streamer is not None:
             self.streamer.configure_model_params(mparams)
         if self.rpc is not None and split is not None:
@@ -204,6 +211,15 @@ class Session:
         self._make_context()
         self._setup_template()
         self.vision = open_vision(self)
+
+    def _kernel_choice(self) -> KernelChoice:
+        """Whether this load may use llama.cpp's extra buffer types (`kernels`): never
+        under the streamer, which reads the file's own layout into its cache."""
+        mode = str(self.values.get("repack") or "auto")
+        if self.streamer is not None:
+            return KernelChoice(False, kernels.registered_extra_bufts(), mode, "streamer",
+                                "the expert streamer runs the file's own layout")
+        return kernels.choose(mode)
 
     def _make_context(self) -> None:
         cparams = lc.llama_context_default_params()
@@ -248,6 +264,10 @@ class Session:
     def _setup_template(self) -> None:
         raw = lc.llama_model_chat_template(self.model, None)
         self.template_text = raw.decode("utf-8", "replace") if raw else ""
+        self.template_source = "model" if self.template_text else "none"
+        override = self._template_override()
+        if override is not None:
+            self.template_text, self.template_source = override
         self.eos_token = self.token_text(lc.llama_vocab_eos(self.vocab))
         bos = lc.llama_vocab_bos(self.vocab)
         self.bos_token = self.token_text(bos) if bos >= 0 else ""
@@ -255,6 +275,35 @@ class Session:
                                       eos_token=self.eos_token)
                          if self.template_text else None)
         self.tool_framing = self._find_tool_framing()
+
+    def _template_override(self) -> tuple[str, str] | None:
+        """The chat template the settings name instead of the file's (`chat-template-file`,
+        then `chat-template`: a built-in's name or Jinja text), with where it came from."""
+        path = str(self.values.get("chat-template-file") or "")
+        if path:
+            try:
+                data = Path(path).expanduser().read_bytes()
+            except OSError as e:
+                raise LoadError(f"The chat template file {path} cannot be read "
+                                f"({e.strerror or 'error'}): fix {{chat-template-file}}.") from None
+            if len(data) > MAX_TEMPLATE_BYTES:
+                raise LoadError(f"The chat template file {path} is larger than "
+                                f"{MAX_TEMPLATE_BYTES // 1024} KiB: fix {{chat-template-file}}.")
+            text = data.decode("utf-8", "replace")
+            if not text.strip():
+                raise LoadError(f"The chat template file {path} is empty: fix "
+                                "{chat-template-file}.")
+            return text, f"file {Path(path).name}"
+        named = str(self.values.get("chat-template") or "")
+        if not named:
+            return None
+        resolved = builtin_templates.resolve(named)
+        if resolved is None:
+            raise LoadError(f"{named!r} is not a chat template this server knows: name one "
+                            f"of {', '.join(sorted(builtin_templates.BUILTIN))} or give the "
+                            "template's text in {chat-template}.")
+        is_name = named.strip().lower() in builtin_templates.BUILTIN
+        return resolved, f"built-in {named.strip().lower()}" if is_name else "setting"
 
     def _find_tool_framing(self) -> str | None:
         """The template's tool-call framing (hermes, qwen3-coder), found by rendering a

@@ -47,6 +47,8 @@ _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight
 _ANY_EXPERT = re.compile(r"^blk\.(\d+)\..*_exps\b")
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.I)
 
+_U64 = struct.Struct("<Q")
+
 # value type -> (struct format, size) for the fixed-size scalars
 _SCALARS: dict[int, tuple[str, int]] = {
     0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
@@ -125,6 +127,20 @@ class _Cursor:
             return None
         return bytes(raw).decode("utf-8", errors="replace")
 
+    def skip_strings(self, count: int) -> None:
+        """Step over ``count`` strings without building them (one tight loop)."""
+        buf, pos, end, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise Truncated(pos + 8)
+            (n,) = unpack(buf, pos)
+            if n > HEADER_CAP:
+                raise Unreadable("a string in the header is longer than any header we read")
+            pos += 8 + n
+        if pos > end:
+            raise Truncated(pos)
+        self.pos = pos
+
     def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.scalar(vtype)
@@ -153,6 +169,9 @@ class _Cursor:
         if count > HEADER_CAP // 8:
             raise Unreadable(f"an array in the header claims {count} items")
         keep = count <= KEEP_ARRAY_ITEMS
+        if etype == _STRING and not keep:
+            self.skip_strings(count)      # a vocabulary: 150k-262k strings, none kept
+            return None
         items = []
         for _ in range(count):
             item = self.string(keep=keep) if etype == _STRING else self.value(etype, depth + 1)

@@ -134,6 +134,7 @@ class ServerState:
             "projector": s.vision.projector.name if s.vision is not None else "",
             "compute_threads": s.compute_threads,
             "busy_threads": s.compute_threads, "ctx_advice": self.ctx_advice(),
+            "kernels": s.kernels.to_json(),
         }
 
     def info(self) -> dict[str, Any]:
@@ -153,7 +154,11 @@ class ServerState:
 
     def devices(self) -> list[dict[str, Any]]:
         """The host's CPU, then each RPC helper device of the loaded model."""
-        host = {"name": "CPU", "kind": "cpu", "status": "ok"}
+        host: dict[str, Any] = {"name": "CPU", "kind": "cpu", "status": "ok"}
+        if self.session is not None:
+            choice = self.session.kernels
+            host.update(extra_buffer_types=list(choice.registered),
+                        repack=choice.extra_bufts, repack_reason=choice.reason)
         helpers = getattr(self.session, "rpc", None)
         return [host, *(helpers.describe() if helpers is not None else [])]
 
@@ -205,8 +210,8 @@ class ServerState:
             self.ctx_refused = False
             self._set_state("ready")
             self.bus.log("info", f"loaded {session.path.name} ({session.arch}, n_ctx "
-                         f"{session.n_ctx}, streaming {'on' if session.streamer else 'off'}) "
-                         f"in {session.load_s:.2f} s")
+                         f"{session.n_ctx}, streaming {'on' if session.streamer else 'off'}, "
+                         f"{session.kernels.line()}) in {session.load_s:.2f} s")
             if session.n_ctx < CTX_FOR_CLIENTS:
                 self.bus.log("warn", f"the context is {session.n_ctx} tokens, below the "
                              f"{CTX_FOR_CLIENTS} a coding agent needs; raise it with --ctx-size")
