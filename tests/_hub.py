@@ -8,9 +8,11 @@ the model maker wrote, and "virtual" files: a real header followed by zeros, as 
 the test says (a model larger than this machine, whose header alone is ever fetched).
 
 Faults, per file path, so resume, retry, digests and timeouts are proven with real curl:
-``drop_at`` (a fraction: the connection is closed there, ``times`` times), ``stall_at``
-(the answer stops there for ``stall_s``), ``wrong`` (every byte answered is corrupted),
-``no_ranges`` (a range request gets the whole file, ``200``), ``rate`` (bytes per second).
+``drop_at`` (a fraction: the connection is closed there, ``times`` times), ``drop_after``
+(bytes: each answer is cut that far into its body, ``times`` times, so a read resumed past
+the first cut is cut again), ``stall_at`` (the answer stops there for ``stall_s``),
+``wrong`` (every byte answered is corrupted), ``no_ranges`` (a range request gets the
+whole file, ``200``), ``rate`` (bytes per second).
 ``sent`` counts the body bytes answered per path.
 
 The certificate is made at start with the ``openssl`` command (self-signed, for
@@ -242,6 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
         drop = stall = None
         if fault.get("drop_at") is not None and fault.get("times", 1) > 0:
             drop = int(f.size * fault["drop_at"])
+        if fault.get("drop_after") is not None and fault.get("times", 1) > 0:
+            drop = start + fault["drop_after"]
         if fault.get("stall_at") is not None and fault.get("times", 1) > 0:
             stall = int(f.size * fault["stall_at"])
         rate = fault.get("rate", 0)

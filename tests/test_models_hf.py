@@ -1,6 +1,7 @@
 """Hugging Face on --hf-endpoint (the local HTTPS hub): search, models, inspect (verdicts,
-one model larger than this machine), add, forget, a direct link; and what curl is given:
-only URLs the server built from validated parts, the token never on a command line."""
+one model larger than this machine, a header read cut once, every time, by a host that
+will not resume), add, forget, a direct link; and what curl is given: only URLs the
+server built from validated parts, the token never on a command line."""
 
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
 from _hub import TOKEN, Hub
 from _models_support import (BIG, BIG_NAME, GATED, SPLIT, TINY, curl_spy, models_server,
                              stock_hub)
 from conftest import ServerProcess
+
+from bmoe.models import curl
+from bmoe.models.curl import CurlConfig
+from bmoe.models.hf import HfError, HfSite
+from bmoe.models.probe import FIRST_READ, ModelProbe
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +227,81 @@ def test_ids_never_name_a_path_or_a_url(srv: tuple[ServerProcess, Path]) -> None
     assert post(s, "/api/hf/add", {"repo": TINY, "name": "../../x.gguf"})[0] == 404
     assert post(s, "/api/hf/inspect", {"repo": "https://evil.example/a/b",
                                        "name": "x.gguf"})[0] == 400
+
+
+def cdn_ranges(h: Hub) -> list[str | None]:
+    """The Range of every request that reached the bytes (after the site's redirect)."""
+    return [r["range"] for r in h.requests if r["path"].startswith("/cdn/")]
+
+
+def big_header_bytes(h: Hub) -> int:
+    return len(h.repos[BIG].files[BIG_NAME].data)
+
+
+def test_inspect_resumes_a_header_read_cut_once(srv: tuple[ServerProcess, Path],
+                                                hub: tuple[Hub, dict[str, Any]]) -> None:
+    """A connection closed inside the header is tried again after the downloads' first
+    wait, from the byte it ended at, and the inspect answers as if nothing happened."""
+    s, _ = srv
+    h = hub[0]
+    cut = big_header_bytes(h) // 3
+    h.clear()
+    h.fault(BIG, BIG_NAME, drop_after=cut, times=1)
+    try:
+        t0 = time.monotonic()
+        status, body = post(s, "/api/hf/inspect", {"repo": BIG, "name": BIG_NAME})
+        waited = time.monotonic() - t0
+        assert status == 200, body
+        assert body["model"]["readable"] and body["model"]["n_expert"] == 128, body
+        assert cdn_ranges(h) == [f"bytes=0-{FIRST_READ - 1}", f"bytes={cut}-"]
+        assert waited >= curl.retry_wait(1)
+    finally:
+        h.clear()
+
+
+async def test_a_header_read_cut_every_time_gives_up_after_the_bounded_attempts(
+        autojump_clock: trio.testing.MockClock, hub: tuple[Hub, dict[str, Any]]) -> None:
+    """Cut every time: the downloads' six attempts, each resumed where the last one ended,
+    the downloads' waits between them (2 + 4 + 8 + 16 + 32 s, on a clock that jumps),
+    then the route's 502 with a sentence."""
+    h = hub[0]
+    cut = big_header_bytes(h) // 10              # six reads hold well under the header
+    h.clear()
+    h.fault(BIG, BIG_NAME, drop_after=cut, times=100)
+    site = HfSite(h.url, CurlConfig(ca_file=h.cert))
+    try:
+        t0 = trio.current_time()
+        with pytest.raises(HfError) as info:
+            await site.header(BIG, "main", BIG_NAME, "")
+        waited = trio.current_time() - t0
+    finally:
+        ranges = cdn_ranges(h)
+        h.clear()
+    e = info.value
+    assert (e.status, e.code) == (502, "hf_unreachable")
+    assert e.message == (f"The header of {BIG_NAME} could not be fetched: the connection "
+                         f"ended before the file did (after {curl.MAX_ATTEMPTS} attempts).")
+    assert ranges == [f"bytes=0-{FIRST_READ - 1}"] + [f"bytes={k * cut}-"
+                                                       for k in range(1, curl.MAX_ATTEMPTS)]
+    assert waited == pytest.approx(sum(curl.retry_wait(a) for a in range(1, curl.MAX_ATTEMPTS)))
+
+
+async def test_a_host_that_will_not_resume_is_read_again_from_the_start(
+        autojump_clock: trio.testing.MockClock, hub: tuple[Hub, dict[str, Any]]) -> None:
+    """A host that ignores ranges, cut once: the continuation is refused (curl's exit 33,
+    never bytes from the wrong place), and the header is read again from its first byte."""
+    h = hub[0]
+    cut = big_header_bytes(h) // 3
+    h.clear()
+    h.fault(BIG, BIG_NAME, drop_after=cut, times=1, no_ranges=True)
+    site = HfSite(h.url, CurlConfig(ca_file=h.cert))
+    try:
+        header = await site.header(BIG, "main", BIG_NAME, "")
+        ranges = cdn_ranges(h)
+    finally:
+        h.clear()
+    assert ModelProbe.of([header]).n_expert == 128
+    assert ranges == [f"bytes=0-{FIRST_READ - 1}", f"bytes={cut}-", f"bytes=0-{FIRST_READ - 1}"]
 
 
 def test_curl_only_ever_receives_urls_the_server_built(srv: tuple[ServerProcess, Path],

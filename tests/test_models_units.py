@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bmoe.models import catalog, download, hf, service, verdict
+from bmoe.models import catalog, curl, download, hf, service, verdict
 from bmoe.models.errors import ModelsError
 from bmoe.models.probe import ModelProbe
 
@@ -69,12 +69,15 @@ def test_machine_now_reads_this_machine() -> None:
 
 
 def test_the_retry_policy() -> None:
-    assert [download.retry_wait(a) for a in range(1, 8)] == [2, 4, 8, 16, 32, 60, 60]
+    assert [curl.retry_wait(a) for a in range(1, 8)] == [2, 4, 8, 16, 32, 60, 60]
     for code in (6, 7, 16, 18, 28, 35, 52, 55, 56, 92):
-        assert download.should_retry(code, 1) and download.should_retry(code, 5)
-        assert not download.should_retry(code, 6)
+        assert curl.should_retry(code, 1) and curl.should_retry(code, 5)
+        assert not curl.should_retry(code, 6)
     for code in (1, 22, 23, 33, 60, 63):
-        assert not download.should_retry(code, 1)
+        assert not curl.should_retry(code, 1)
+    # one policy: the downloads and the header reads follow curl.py's, not copies of it
+    for user in (download, hf):
+        assert (user.retry_wait, user.should_retry) == (curl.retry_wait, curl.should_retry)
 
 
 def test_the_shipped_catalog_is_whole_and_valid() -> None:

@@ -9,8 +9,10 @@ only this process may read, removed as soon as curl is done; curl drops a custom
 adds a CA bundle (a private mirror's, or the tests' own hub): it is the only way to
 trust another certificate, and https stays required.
 
-Failures are ``CurlError`` with a sentence for a person and curl's exit code, which
-the download policy decides on.
+Failures are ``CurlError`` with a sentence for a person and curl's exit code. What a
+failed line is, how often it is tried again and how long is waited in between
+(``RETRY_EXIT_CODES``, ``should_retry``, ``retry_wait``) is stated here once, for the two
+readers that resume: a download (``download.py``) and a header read (``hf.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,24 @@ _EXIT_WORDS = {
     92: "the HTTP/2 stream was reset",
     1: "the link uses a protocol other than https",
 }
+
+
+# The retry policy: a failed line (not a refusal of the request) is tried again from the
+# bytes already held, up to MAX_ATTEMPTS times, waiting 2 s, 4 s, ... at most 60 s.
+RETRY_EXIT_CODES = frozenset({6, 7, 16, 18, 28, 35, 52, 55, 56, 92})
+RANGE_REFUSED_EXIT = 33            # the host does not resume: start again from the first byte
+MAX_ATTEMPTS = 6
+FIRST_WAIT_S = 2.0
+MAX_WAIT_S = 60.0
+
+
+def retry_wait(attempt: int) -> float:
+    """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+    return min(FIRST_WAIT_S * 2 ** (attempt - 1), MAX_WAIT_S)
+
+
+def should_retry(exit_code: int, attempt: int) -> bool:
+    return exit_code in RETRY_EXIT_CODES and attempt < MAX_ATTEMPTS
 
 
 class CurlError(Exception):
@@ -173,18 +193,49 @@ async def get_bytes(cfg: CurlConfig, url: str, token: str = "", *,
         raise CurlError("The host's answer could not be read.") from None
 
 
-async def get_prefix(cfg: CurlConfig, url: str, n: int, token: str = "") -> bytes:
-    """The first ``n`` bytes of ``url`` (fewer when the file is shorter), by a range request.
+TRAILER = len(b"\n000")            # what a range read has curl write after the body
 
-    A host that ignores the range and sends the whole file is cut off after ``n`` bytes,
-    so the answer is the same prefix either way.
+
+@dataclass(frozen=True)
+class RangeRead:
+    """What one range read received: the bytes from its start (never more than asked),
+    curl's exit code and the last answer's HTTP status (0 when not known)."""
+    data: bytes
+    exit_code: int
+    http_status: int
+
+    @property
+    def at_end(self) -> bool:
+        """The host said the file ends at the read's start (``416``)."""
+        return self.exit_code == 22 and self.http_status == 416
+
+    @property
+    def failed(self) -> bool:
+        """The line failed, or the host refused, before the read was whole."""
+        return self.exit_code != 0 and not self.at_end
+
+
+async def get_range(cfg: CurlConfig, url: str, start: int, n: int,
+                    token: str = "") -> RangeRead:
+    """Up to ``n`` bytes of ``url`` from byte ``start`` (fewer when the file ends first).
+
+    The first read (``start`` 0) is ``--range 0-(n-1)``: a host that ignores the range and
+    sends the whole file is cut off after ``n`` bytes, so the answer is the same prefix
+    either way. A read further on continues with ``--continue-at start``, which curl
+    refuses (exit 33) when the host answers without the range, rather than hand back
+    bytes from the wrong place. The bytes a failed line delivered are kept in ``data``.
     """
+    where = ["--range", f"0-{n - 1}"] if start == 0 else ["--continue-at", str(start)]
     with token_file(token) as auth:
-        args = cfg.base(url) + auth + ["--fail", "--range", f"0-{n - 1}", "--", url]
-        code, out, cut = await _run(args, n)
-    if cut or code == 0:
-        return out[:n]
-    raise CurlError(exit_words(code), code)
+        args = cfg.base(url) + auth + ["--fail", *where, "--write-out", "\n%{http_code}",
+                                       "--", url]
+        code, out, cut = await _run(args, n + TRAILER + 1)
+    if cut or len(out) > n + TRAILER:   # more than asked (the whole file): its first n bytes
+        return RangeRead(out[:n], 0, 0)
+    # curl writes the status on every exit of its own; without it (a signal) what is left
+    # of the body is still a prefix of the bytes from ``start``.
+    body, _, status = out.rpartition(b"\n")
+    return RangeRead(body, code, int(status) if status.isdigit() else 0)
 
 
 async def head_size(cfg: CurlConfig, url: str, token: str = "") -> int:

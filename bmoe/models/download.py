@@ -10,14 +10,14 @@ and, once curl is done, the part is checked against the catalog's SHA-256 (when 
 one) and renamed to ``NAME``. A watcher polls the part's size twice a second and
 publishes a ``download`` event with the entry's bytes, the rate and the time left.
 
-The retry policy (``retry_wait``, ``RETRY_EXIT_CODES``) is pure: a failed line (curl's
-exit 6, 7, 16, 18, 28, 35, 52, 55, 56, 92) is retried from the part, up to
-``MAX_ATTEMPTS`` per file, waiting 2 s, 4 s, ... at most 60 s, the event staying
-``running`` with the failure in ``error``. A host that will not resume (exit 33) has the
-part discarded and the file fetched again from its start, as one more attempt. Anything
-else ends the job in ``error`` with the part kept; a digest that differs deletes the
-part, since resuming it could only give the same bytes again. A cancel kills curl and
-keeps the part.
+The retry policy is curl.py's (``retry_wait``, ``should_retry``), the one the header reads
+of ``hf.py`` follow too: a failed line (curl's exit 6, 7, 16, 18, 28, 35, 52, 55, 56, 92)
+is retried from the part, up to ``MAX_ATTEMPTS`` per file, waiting 2 s, 4 s, ... at most
+60 s, the event staying ``running`` with the failure in ``error``. A host that will not
+resume (exit 33) has the part discarded and the file fetched again from its start, as
+one more attempt. Anything else ends the job in ``error`` with the part kept; a digest
+that differs deletes the part, since resuming it could only give the same bytes again.
+A cancel kills curl and keeps the part.
 """
 
 from __future__ import annotations
@@ -35,27 +35,14 @@ from typing import Any
 import trio
 
 from .catalog import CatalogFile, Entry
-from .curl import CurlConfig, CurlError, download_args, exit_words, token_file
+from .curl import (MAX_ATTEMPTS, RANGE_REFUSED_EXIT, CurlConfig, CurlError, download_args,
+                   exit_words, retry_wait, should_retry, token_file)
 
 log = logging.getLogger("bmoe.models")
 
-RETRY_EXIT_CODES = frozenset({6, 7, 16, 18, 28, 35, 52, 55, 56, 92})
-RANGE_REFUSED_EXIT = 33
-MAX_ATTEMPTS = 6
-FIRST_WAIT_S = 2.0
-MAX_WAIT_S = 60.0
 PROGRESS_EVERY_S = 0.5
 HASH_CHUNK = 4 << 20
 GB = 1e9
-
-
-def retry_wait(attempt: int) -> float:
-    """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-    return min(FIRST_WAIT_S * 2 ** (attempt - 1), MAX_WAIT_S)
-
-
-def should_retry(exit_code: int, attempt: int) -> bool:
-    return exit_code in RETRY_EXIT_CODES and attempt < MAX_ATTEMPTS
 
 
 def part_of(target: Path) -> Path:

@@ -10,6 +10,11 @@ The site's API shapes used: ``/api/models?search=...&expand[]=...`` (search),
 ``/api/models/<repo>/tree/<revision>?recursive=true`` (the files, with the LFS object id
 that is the file's SHA-256), ``/<repo>/resolve/<revision>/<path>`` (the bytes; range
 requests for a header).
+
+A header is read as a download is fetched: each range read continues from the bytes
+already held, and a failed line is tried again under the downloads' own policy
+(``curl.should_retry``, ``curl.retry_wait``); a host that will not resume is read from
+its first byte again, whole prefixes from then on.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
+import trio
+
 from .catalog import SHA256, CatalogFile, Entry, is_safe_name, quant_of
 from .errors import ModelsError
-from .curl import CurlConfig, CurlError, get_bytes, get_prefix
+from .curl import (RANGE_REFUSED_EXIT, CurlConfig, CurlError, RangeRead, exit_words,
+                   get_bytes, get_range, retry_wait, should_retry)
 from .probe import (FIRST_READ, HEADER_CAP, MIB, Header, ModelProbe, Truncated, Unreadable,
                     parse_header, shard_name, split_parts)
 
@@ -236,24 +244,41 @@ class HfSite:
         return group_files(await self.files(repo, revision, token))
 
     async def header(self, repo: str, revision: str, path: str, token: str) -> Header:
-        """A file's header by range requests, growing while it goes on."""
+        """A file's header by range requests, growing while it goes on. Each read continues
+        from the bytes held; a cut line is tried again as a download's is, and bytes that
+        already hold the whole header end it however the line ended."""
         url = self.resolve_url(repo, revision, path)
-        n = FIRST_READ
+        held = b""
+        want, failures, resumes = FIRST_READ, 0, True
         while True:
+            start = len(held) if resumes else 0
+            read = await self._read(url, path, start, want - start, token)
+            if read.exit_code == RANGE_REFUSED_EXIT and start:   # a continuation refused
+                held, resumes = b"", False
+                continue
+            held = held[:start] + read.data
             try:
-                data = await get_prefix(self.curl, url, n, token)
-            except CurlError as e:
-                raise HfError(502, "hf_unreachable", f"The header of {path} could not be "
-                              f"fetched: {e.message}.") from None
-            try:
-                return parse_header(data)
+                return parse_header(held)
             except Truncated as t:
-                if len(data) < n:
-                    raise Unreadable("the file ends inside its header") from None
-                if t.needed > HEADER_CAP or n >= HEADER_CAP:
-                    raise Unreadable(f"the header is larger than {HEADER_CAP // MIB} MiB") \
-                        from None
-                n = min(HEADER_CAP, max(n * 2, t.needed + MIB))
+                needed = t.needed
+            if read.failed:
+                failures += 1
+                if not should_retry(read.exit_code, failures):
+                    raise _unfetched(path, read, failures)
+                await trio.sleep(retry_wait(failures))
+                continue
+            if len(held) < want:
+                raise Unreadable("the file ends inside its header")
+            if needed > HEADER_CAP or want >= HEADER_CAP:
+                raise Unreadable(f"the header is larger than {HEADER_CAP // MIB} MiB")
+            want = min(HEADER_CAP, max(want * 2, needed + MIB))
+
+    async def _read(self, url: str, path: str, start: int, n: int, token: str) -> RangeRead:
+        try:
+            return await get_range(self.curl, url, start, n, token)
+        except CurlError as e:
+            raise HfError(502, "hf_unreachable", f"The header of {path} could not be "
+                          f"fetched: {e.message}") from None
 
     async def probe(self, repo: str, revision: str, model: RepoModel, token: str) -> ModelProbe:
         headers = []
@@ -283,6 +308,13 @@ class HfSite:
                      quant=quant_of(model.name.rsplit("/", 1)[-1]),
                      blurb=f"From {repo} on {self.base}", added=True, repo=repo,
                      revision=revision)
+
+
+def _unfetched(path: str, read: RangeRead, attempts: int) -> HfError:
+    words = exit_words(read.exit_code, read.http_status)
+    after = f" (after {attempts} attempts)" if attempts > 1 else ""
+    return HfError(502, "hf_unreachable", f"The header of {path} could not be fetched: "
+                   f"{words}{after}.")
 
 
 def _num(v: Any) -> int:
