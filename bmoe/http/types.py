@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,8 @@ class Request:
         return is_loopback_address(self.peer[0])
 
     def json(self) -> Any:
-        """The body as JSON; an empty body is ``{}``. Not JSON: 400 invalid_request."""
+        """The body as JSON; an empty body is ``{}``. Not JSON, or not UTF-8 text (raw
+        bytes or a lone surrogate escape): 400 invalid_request, on every route."""
         if not self.body.strip():
             return {}
         try:
@@ -48,11 +50,15 @@ class Request:
         except UnicodeDecodeError:
             raise invalid_request("The request body is not valid UTF-8.") from None
         try:
-            return json.loads(text, parse_constant=_refuse_constant)
+            value = json.loads(text, parse_constant=_refuse_constant)
         except RecursionError:
             raise invalid_request("The request body's JSON is nested too deeply.") from None
         except ValueError as e:
             raise invalid_request(f"The request body is not valid JSON: {e}.") from None
+        if _SURROGATE_ESCAPE.search(text) and _holds_lone_surrogate(value):
+            raise invalid_request("The request body holds a lone UTF-16 surrogate (such as "
+                                  "\\ud800), which is not a character and has no UTF-8 form.")
+        return value
 
     def json_object(self) -> dict[str, Any]:
         value = self.json()
@@ -63,6 +69,27 @@ class Request:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+# The body is valid UTF-8, so a surrogate can only come from a ``\uD800``-``\uDFFF``
+# escape; a body without one (nearly all) is not walked. A pair decodes to one character,
+# so a surrogate left in a decoded string is a lone one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return True
+        elif isinstance(node, dict):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            stack += node
+    return False
 
 
 @dataclass

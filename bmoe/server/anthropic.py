@@ -182,7 +182,6 @@ def _output_schema(raw: wire.OutputConfig | None) -> dict[str, Any] | None:
 def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ImageSet]:
     """The turn a body asks for and the images it carries: every field checked, no model
     needed (count_tokens reads the same body)."""
-    chatreq.refuse_lone_surrogates(body)
     parsed = wire.parse(wire.MessagesBody, body)
     messages, images = convert_messages(parsed)
     tools = convert_tools(parsed.tools)

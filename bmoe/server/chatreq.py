@@ -54,24 +54,6 @@ def budget(value: Any, name: str, config_values: dict[str, Any]) -> int:
     return min(int(value), int(upper))
 
 
-def refuse_lone_surrogates(body: Any) -> None:
-    """Text the model reads must be Unicode: a lone surrogate (``"\\ud800"``, valid JSON
-    syntax) has no UTF-8 form, so it cannot be tokenized: a 400, not the tokenizer's fault."""
-    stack = [body]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                raise invalid_request("The request holds a lone UTF-16 surrogate (such as "
-                                      "\\ud800), which is not text.") from None
-        elif isinstance(node, dict):
-            stack += [*node.keys(), *node.values()]
-        elif isinstance(node, list):
-            stack += node
-
-
 def response_format_schema(response_format: wire.ResponseFormat | None,
                            top_level: dict[str, Any] | None) -> dict[str, Any] | None:
     """The output schema of a chat request (`response_format` and top-level `json_schema`)."""

@@ -25,7 +25,7 @@ from ..http.errors import HTTPError
 from ..http.types import Request, Response
 from .bridge import let_go, wait_future
 from .shapes import engine_http_error
-from . import chatreq, wire
+from . import wire
 from .state import ServerState
 
 
@@ -42,7 +42,6 @@ def decide_enabled(state: ServerState) -> bool:
 
 async def handle(state: ServerState, request: Request) -> Response:
     body = request.json_object()
-    chatreq.refuse_lone_surrogates(body)
     req = parse_request(body)
     await state.require_session()                     # 503 no_model; waits through a load
     if not decide_enabled(state):

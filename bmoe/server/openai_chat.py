@@ -237,7 +237,6 @@ class ChatEncoder:
 
 async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
-    chatreq.refuse_lone_surrogates(body)
     req = decode(body, state.config)
     await read_images(req.images)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked

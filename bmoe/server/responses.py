@@ -187,7 +187,6 @@ def refuse_state(body: wire.ResponsesBody) -> None:
 
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a Responses body asks for (400 invalid_request naming the field otherwise)."""
-    chatreq.refuse_lone_surrogates(body)
     parsed = wire.parse(wire.ResponsesBody, body)
     refuse_state(parsed)
     messages, images = convert_input(parsed)

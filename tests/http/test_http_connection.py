@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -164,10 +165,25 @@ def test_bad_bodies_are_400_invalid_request() -> None:
         assert response.json()["code"] == "invalid_request"
 
 
-def test_lone_surrogate_echoes_back_as_json() -> None:
-    response = one(make_app(), request_bytes("POST", "/api/echo", body=b'{"name": "\\ud800"}',
+@pytest.mark.parametrize("body", [
+    b'{"name": "\\ud800"}', b'{"name": "a\\uDFFFb"}', b'{"name": "\\udc00\\ud800"}',
+    b'{"items": ["x", {"\\ud83d": 1}]}', b'["\\uDBFF"]'])
+def test_a_lone_surrogate_is_not_text_so_400(body: bytes) -> None:
+    """Valid JSON syntax with no UTF-8 form: refused where every body is decoded, in a
+    value, a key or deep inside, before a handler sees it."""
+    response = one(make_app(), request_bytes("POST", "/api/echo", body=body,
                                              content_type="application/json"))
-    assert response.status == 200 and response.json()["name"] == "\ud800"
+    assert response.status == 400, body
+    assert response.json()["code"] == "invalid_request"
+    assert "lone UTF-16 surrogate" in response.json()["error"]
+
+
+@pytest.mark.parametrize("body", [b'{"name": "\\ud83d\\ude00"}', b'{"name": "\\\\ud800"}'])
+def test_a_surrogate_pair_or_an_escaped_backslash_is_text(body: bytes) -> None:
+    response = one(make_app(), request_bytes("POST", "/api/echo", body=body,
+                                             content_type="application/json"))
+    assert response.status == 200, response.body
+    assert response.json()["name"] == json.loads(body)["name"]
 
 
 def test_malformed_requests_are_400_and_close() -> None:
