@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import cache
 from types import SimpleNamespace
 
-from bmoe.http.routes import RouteTable
+from bmoe.http.routes import Access, RouteTable
 from bmoe.server.routes import build_routes
 
 # The spec's local-only routes that are built: models (delete, add from a link, folders),
@@ -36,8 +36,8 @@ def app_routes() -> RouteTable:
 
 
 def flagged() -> set[tuple[str, str]]:
-    """(method, pattern) of every route the real table registered `local_only=True`."""
-    return {(m, p.text) for m, p in app_routes().local_only_patterns()}
+    """(method, pattern) of every route the real table registered `Access.LOCAL_ONLY`."""
+    return {(r.method, r.pattern.text) for r in app_routes() if r.access is Access.LOCAL_ONLY}
 
 
 def concrete(pattern: str) -> str:

@@ -1,8 +1,8 @@
 """The local-only routes of the real server: which ones, and that the network is refused
 each of them (403 local_only, whatever the key) while this machine is answered.
 
-The HTTP layer keeps no list of application routes: each route says `local_only=True`
-where it is registered. These tests build the table `bmoe-server` serves and check the
+The HTTP layer keeps no list of application routes: each route says
+`access=Access.LOCAL_ONLY` where it is registered. These tests build the table `bmoe-server` serves and check the
 set against the spec's, then send every route through the access checks."""
 
 from __future__ import annotations

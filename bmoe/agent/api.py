@@ -1,8 +1,9 @@
 """The agent's routes (`docs/agent.md`, "Routes"): thin handlers over `AgentService`.
 
 `add_flags` / `attach` / `run` / `register` are what `bmoe/server/main.py` and the
-route table call, as for the models routes. Routes that reach this computer are on
-`bmoe/http/access.py`'s local-only list; the rules that depend on the conversation (one
+route table call, as for the models routes. Routes that reach this computer are
+registered `Access.LOCAL_ONLY` (their rows in `ROUTES`), which the access checks refuse
+to the network; the rules that depend on the conversation (one
 with a workspace or a provider is invisible to the network) are checked here, and
 every route that reaches files, processes or keys checks the peer again itself.
 """
@@ -19,7 +20,7 @@ from pydantic import StrictBool, StrictStr
 
 from ..http.access import is_loopback_binding
 from ..http.errors import HTTPError, invalid_request
-from ..http.routes import RouteTable
+from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
 from ..server import wire
 from . import clients
@@ -121,8 +122,8 @@ async def run(state: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_
 
 
 def register(table: RouteTable, state: Any) -> None:
-    for method, pattern, fn, local in ROUTES:
-        table.add(method, pattern, _bound(fn, state), local_only=local)
+    for method, pattern, fn, access in ROUTES:
+        table.add(method, pattern, _bound(fn, state), access=access)
 
 
 def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
@@ -610,36 +611,39 @@ async def run_task(svc: AgentService, request: Request) -> Response:
                          status=202)
 
 
-ROUTES: list[tuple[str, str, Handler, bool]] = [
-    ("GET", "/api/agent", get_agent, False),
-    ("GET", "/api/conversations", list_conversations, False),
-    ("POST", "/api/conversations", create_conversation, False),
-    ("GET", "/api/conversations/{id}", get_conversation, False),
-    ("PUT", "/api/conversations/{id}", change_conversation, False),
-    ("DELETE", "/api/conversations/{id}", delete_conversation, False),
-    ("POST", "/api/conversations/{id}/messages", post_message, False),
-    ("PUT", "/api/conversations/{id}/items/{item}", edit_message, False),
-    ("POST", "/api/conversations/{id}/stop", stop, False),
-    ("POST", "/api/conversations/{id}/approval", approval, True),
-    ("GET", "/api/conversations/{id}/file", file_preview, True),
-    ("GET", "/api/workspaces", list_workspaces, True),
-    ("POST", "/api/workspaces", add_workspace, True),
-    ("DELETE", "/api/workspaces/{id}", delete_workspace, True),
-    ("GET", "/api/providers", list_providers, True),
-    ("PUT", "/api/providers/{id}", put_provider, True),
-    ("DELETE", "/api/providers/{id}", delete_provider, True),
-    ("GET", "/api/skills", list_skills, True),
-    ("POST", "/api/skills", create_skill, True),
-    ("GET", "/api/skills/{name}", get_skill, True),
-    ("PUT", "/api/skills/{name}", change_skill, True),
-    ("DELETE", "/api/skills/{name}", delete_skill, True),
-    ("GET", "/api/tasks", list_tasks, True),
-    ("POST", "/api/tasks", create_task, True),
-    ("GET", "/api/tasks/{id}", get_task, True),
-    ("PUT", "/api/tasks/{id}", change_task, True),
-    ("DELETE", "/api/tasks/{id}", delete_task, True),
-    ("POST", "/api/tasks/{id}/run", run_task, True),
-    ("GET", "/api/clients", list_clients, True),
-    ("POST", "/api/connect/{id}", connect_client, True),
-    ("POST", "/api/mcp/{name}/restart", restart_mcp, True),
+# LOCAL: the route reaches this computer's files, processes or secrets (the spec's list)
+KEY, LOCAL = Access.KEY, Access.LOCAL_ONLY
+
+ROUTES: list[tuple[str, str, Handler, Access]] = [
+    ("GET", "/api/agent", get_agent, KEY),
+    ("GET", "/api/conversations", list_conversations, KEY),
+    ("POST", "/api/conversations", create_conversation, KEY),
+    ("GET", "/api/conversations/{id}", get_conversation, KEY),
+    ("PUT", "/api/conversations/{id}", change_conversation, KEY),
+    ("DELETE", "/api/conversations/{id}", delete_conversation, KEY),
+    ("POST", "/api/conversations/{id}/messages", post_message, KEY),
+    ("PUT", "/api/conversations/{id}/items/{item}", edit_message, KEY),
+    ("POST", "/api/conversations/{id}/stop", stop, KEY),
+    ("POST", "/api/conversations/{id}/approval", approval, LOCAL),
+    ("GET", "/api/conversations/{id}/file", file_preview, LOCAL),
+    ("GET", "/api/workspaces", list_workspaces, LOCAL),
+    ("POST", "/api/workspaces", add_workspace, LOCAL),
+    ("DELETE", "/api/workspaces/{id}", delete_workspace, LOCAL),
+    ("GET", "/api/providers", list_providers, LOCAL),
+    ("PUT", "/api/providers/{id}", put_provider, LOCAL),
+    ("DELETE", "/api/providers/{id}", delete_provider, LOCAL),
+    ("GET", "/api/skills", list_skills, LOCAL),
+    ("POST", "/api/skills", create_skill, LOCAL),
+    ("GET", "/api/skills/{name}", get_skill, LOCAL),
+    ("PUT", "/api/skills/{name}", change_skill, LOCAL),
+    ("DELETE", "/api/skills/{name}", delete_skill, LOCAL),
+    ("GET", "/api/tasks", list_tasks, LOCAL),
+    ("POST", "/api/tasks", create_task, LOCAL),
+    ("GET", "/api/tasks/{id}", get_task, LOCAL),
+    ("PUT", "/api/tasks/{id}", change_task, LOCAL),
+    ("DELETE", "/api/tasks/{id}", delete_task, LOCAL),
+    ("POST", "/api/tasks/{id}/run", run_task, LOCAL),
+    ("GET", "/api/clients", list_clients, LOCAL),
+    ("POST", "/api/connect/{id}", connect_client, LOCAL),
+    ("POST", "/api/mcp/{name}/restart", restart_mcp, LOCAL),
 ]

@@ -1,4 +1,4 @@
-"""Who may ask what: the checks every request passes before routing.
+"""Who may ask what: the checks every request passes before its handler runs.
 
 The spec's security model defends against the browser (other web pages on this
 machine), and against the network where the server was told to listen on one.
@@ -12,13 +12,15 @@ machine), and against the network where the server was told to listen on one.
    tell apart from the browser refusals below (403). Applies to UI files too. A
    binding beyond loopback lifts the check; the key stands in its place.
 
-For ``/api/*``, ``/v1/*`` and llama-server's own routes (``llama_server_paths()``:
-``/completion``, ``/tokenize``, ``/props``, ``/metrics``, ...), which live outside those
-prefixes but must not become a side door (UI files are served without these checks;
-``/health`` skips the key alone, as it does in llama-server):
+The checks below apply to the API: every path the route table places there (a route's
+own, or any path under a route's first segment: ``/api``, ``/v1``, llama-server's
+``/completion``, ``/props``...; see ``routes.Lookup``). UI files are served without
+them. Which checks a route takes is its ``Access``, stated where it is registered:
 
 2. **Key**, when one is set: ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``,
    compared in constant time; else ``401 unauthorized`` + ``WWW-Authenticate: Bearer``.
+   Not for an ``Access.PUBLIC`` route (``/health``, as in llama-server), which keeps
+   the checks below.
 3. **Origin**: a request carrying an ``Origin`` other than the server's own or an
    ``--allow-origin`` one is ``403 forbidden_origin``; with no ``Origin``, a
    ``Sec-Fetch-Site`` other than ``same-origin`` or ``none`` is refused the same way
@@ -29,10 +31,11 @@ prefixes but must not become a side door (UI files are served without these chec
 4. **Content type**: a request that is not ``GET`` (or ``HEAD``, which is a ``GET``
    without its body) must say ``Content-Type: application/json`` (any case,
    parameters such as ``; charset=utf-8`` allowed): else ``415``. An HTML form cannot.
-5. **Local-only routes**: a route registered with ``RouteTable.add(..., local_only=True)``,
-   asked by a peer that is not loopback, is ``403 local_only``, whatever the key. The
-   application says which routes those are where it registers them: this layer keeps
-   no application routes.
+5. **Local-only routes**: a route registered ``access=Access.LOCAL_ONLY``, asked by a
+   peer that is not loopback, is ``403 local_only``, whatever the key. The check reads
+   the route the request is dispatched to, so no spelling of a path reaches that
+   handler past it. The application says which routes those are where it registers
+   them: this layer keeps no application routes.
 
 No CORS header is ever sent, so no other origin can read an answer either.
 """
@@ -44,7 +47,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from .errors import HTTPError
-from .routes import RouteTable, path_segments
+from .routes import Access, Lookup, RouteTable
 from .types import Request
 
 
@@ -70,44 +73,20 @@ def is_loopback_address(ip: str) -> bool:
     return addr.is_loopback
 
 
-def llama_server_paths() -> tuple[str, ...]:
-    """llama-server's routes outside ``/api`` and ``/v1``: each path and everything
-    below it is API, with the key, Origin and 415 checks of ``/api`` and ``/v1``."""
-    return ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
-            "/props", "/slots", "/metrics", "/models", "/chat", "/infill", "/embedding",
-            "/embeddings", "/rerank", "/reranking", "/lora-adapters", "/health", "/shutdown")
-
-
-PUBLIC_PATHS = ("/health", "/v1/health")   # llama-server's health check: no key
-
-
-def is_api_path(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/")
-               for p in ("/api", "/v1", *llama_server_paths()))
-
-
-def is_local_only(method: str, request: Request, routes: RouteTable) -> bool:
-    """Whether (method, path) is a route registered with ``local_only=True`` in
-    ``routes``, matched loosely on both the raw and the decoded segmentation, so no
-    spelling of a path slips past it."""
-    method = "GET" if method == "HEAD" else method
-    views = [path_segments(request.raw_path), request.path[1:].split("/")]
-    return any(m == method and p.match_loosely(v)
-               for m, p in routes.local_only_patterns() for v in views)
-
-
-def check_access(request: Request, policy: AccessPolicy, routes: RouteTable) -> None:
+def check_access(request: Request, policy: AccessPolicy, routes: RouteTable) -> Lookup:
     """Raise the first refusal that applies to ``request`` (see the module docstring);
-    ``routes`` says which routes were registered local-only."""
+    else the table's lookup of it (the route that answers it, or its 404 / 405)."""
     _check_host(request, policy)
-    if not is_api_path(request.path):
-        return
-    if request.path not in PUBLIC_PATHS:
+    found = routes.lookup(request.method, request.raw_path, request.path)
+    if found.access is None:
+        return found
+    if found.access is not Access.PUBLIC:
         _check_key(request, policy)
     _check_origin(request, policy)
     _check_content_type(request)
-    if not request.peer_is_loopback and is_local_only(request.method, request, routes):
+    if found.access is Access.LOCAL_ONLY and not request.peer_is_loopback:
         raise HTTPError(403, "local_only", "This route answers a client on this machine only.")
+    return found
 
 
 # --- Host --------------------------------------------------------------------------

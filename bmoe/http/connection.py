@@ -82,7 +82,7 @@ class App(Protocol):
 
     async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse | Upgrade: ...
 
-    def error_response(self, path: str, err: HTTPError) -> Response: ...
+    def error_response(self, request: Request | None, err: HTTPError) -> Response: ...
 
 
 class PeerGone(Exception):
@@ -318,7 +318,7 @@ class Connection:
         if self.h11.their_state is not h11.MIGHT_SWITCH_PROTOCOL:
             err = HTTPError(400, "bad_request",
                             f"This route needs an Upgrade: {upgrade.protocol} request.")
-            await self._send_response(self.app.error_response(request.path, err),
+            await self._send_response(self.app.error_response(request, err),
                                       head_only=False, close=True)
             return
         await self._send(h11.InformationalResponse(status_code=101, headers=[
@@ -358,7 +358,7 @@ class Connection:
                               len(response.body), close)
         except (h11.LocalProtocolError, UnicodeError, ValueError):
             log.exception("a handler's response could not be sent")
-            response = self.app.error_response("", internal_error())
+            response = self.app.error_response(None, internal_error())
             head = self._head(response.status, response.content_type, response.headers,
                               len(response.body), close)
         await self._send(head)
@@ -409,16 +409,16 @@ class Connection:
             return False
         keep = err.status not in CLOSING_STATUSES and await self._drain(request)
         self.linger = not keep and self.h11.their_state is not h11.DONE
-        path = request.path if request else ""
         head_only = request is not None and request.method == "HEAD"
-        await self._send_response(self.app.error_response(path, err), head_only=head_only, close=not keep)
+        await self._send_response(self.app.error_response(request, err), head_only=head_only,
+                                  close=not keep)
         return keep and self._cycle_done()
 
     async def _try_send_internal_error(self) -> None:
         if self.broken or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         try:
-            response = self.app.error_response("", internal_error())
+            response = self.app.error_response(None, internal_error())
             await self._send_response(response, head_only=False, close=True)
         except Exception:
             pass

@@ -3,7 +3,7 @@
 An ``HTTPError`` carries the status it becomes and the machine-readable ``code`` a
 client decides on; ``message`` is for a person. Handlers raise it anywhere below the
 connection; the connection turns it into ``{"error": message, "code": code}`` (or
-into a protocol-specific shape when the route installed an ``error_shaper``).
+into the protocol's own shape when the route was registered with a ``shape``).
 Anything else that escapes a handler is the server's own fault: a 500, logged with
 its traceback on stderr, never shown to the client.
 """

@@ -21,11 +21,13 @@ kept-alive connection holds a seat, never a worker. While ACCEPT_QUEUE requests 
 a new connection is closed at once without a word. ``admission`` tells the whole story.
 
 ``HttpApp`` is what a connection calls: ``dispatch`` runs the access checks
-(``access.check_access``) and then the route table (static files from ``static_dir``
-for the paths no route claims outside ``/api`` and ``/v1``); ``call`` runs the
-handler and turns what it raises into a response: an ``HTTPError`` into its JSON (or
-the shape ``error_shaper`` gives it), anything else into a 500 ``internal`` whose
-traceback goes to the log (stderr), never to the client.
+(``access.check_access``, which looks the request up in the route table and checks it
+as its route says) and hands back that route (static files from ``static_dir`` for
+the paths outside the API, which no route's first segment claims); ``call`` runs the
+handler and turns what it raises into a response: an ``HTTPError`` into its JSON (or,
+for a route registered with a ``shape``, what ``error_shaper`` makes of it), anything
+else into a 500 ``internal`` whose traceback goes to the log (stderr), never to the
+client.
 
 Stopping: cancel the scope around ``serve_http``; every connection's handler is
 cancelled with it and every socket closed. ``watch_parent`` does that when a
@@ -45,7 +47,7 @@ from pathlib import Path
 import trio
 
 from . import limits
-from .access import AccessPolicy, check_access, is_api_path
+from .access import AccessPolicy, check_access
 from .admission import Admission
 from .connection import serve_connection
 from .errors import HTTPError, internal_error, sole_exception
@@ -56,6 +58,7 @@ from .types import Request, Response, StreamResponse, Upgrade
 
 log = logging.getLogger("bmoe.http")
 
+# (the route's shape name, the error) -> that shape's response, or None for the server's own
 ErrorShaper = Callable[[str, HTTPError], "Response | None"]
 
 
@@ -69,19 +72,14 @@ class HttpApp:
 
     def dispatch(self, request: Request) -> Dispatch:
         """Access checks, then the route (or a static file); HTTPError if refused."""
-        check_access(request, self.policy, self.routes)
-        try:
-            found = self.routes.match(request.method, request.raw_path)
-        except HTTPError as err:
-            if err.status != 404 or self.static is None or not self._may_be_static(request):
-                raise
+        found = check_access(request, self.policy, self.routes)
+        if found.route is None and found.access is None and self.static is not None \
+                and request.method in ("GET", "HEAD") and found.refusal is not None \
+                and found.refusal.status == 404:
             return Dispatch(self.static, limits.BODY_LIMIT_BYTES)
+        dispatch = found.dispatch()
         request.path_params = found.params
-        return found
-
-    @staticmethod
-    def _may_be_static(request: Request) -> bool:
-        return request.method in ("GET", "HEAD") and not is_api_path(request.path)
+        return dispatch
 
     async def call(self, dispatch: Dispatch, request: Request) -> Response | StreamResponse | Upgrade:
         try:
@@ -91,11 +89,12 @@ class HttpApp:
             if not isinstance(leaf, HTTPError):
                 log.error("%s %s failed", request.method, request.path, exc_info=exc)
                 leaf = internal_error()
-            return self.error_response(request.path, leaf)
+            return self.error_response(request, leaf)
 
-    def error_response(self, path: str, err: HTTPError) -> Response:
-        """The error's JSON, or the route family's own shape of it."""
-        shaped = self._shaped(path, err)
+    def error_response(self, request: Request | None, err: HTTPError) -> Response:
+        """The error's JSON, or the shape the request's route declares for it (``None``:
+        no request could be read)."""
+        shaped = self._shaped(request, err)
         if shaped is None:
             return Response.json({"error": err.message, "code": err.code}, status=err.status,
                                  headers=err.headers)
@@ -103,13 +102,16 @@ class HttpApp:
         extra = [(k, v) for k, v in err.headers if k.lower() not in named]
         return dataclasses.replace(shaped, headers=[*shaped.headers, *extra])
 
-    def _shaped(self, path: str, err: HTTPError) -> Response | None:
-        if self.error_shaper is None:
+    def _shaped(self, request: Request | None, err: HTTPError) -> Response | None:
+        if self.error_shaper is None or request is None:
+            return None
+        shape = self.routes.lookup(request.method, request.raw_path, request.path).shape
+        if shape is None:
             return None
         try:
-            return self.error_shaper(path, err)
+            return self.error_shaper(shape, err)
         except Exception:
-            log.exception("the error shaper failed for %s", path)
+            log.exception("the error shaper failed for %s (%s)", request.path, shape)
             return None
 
 

@@ -3,13 +3,14 @@
 Theory of operation
 -------------------
 These routes answer as llama-server does (field names, defaults, its error object
-`{"error": {"code", "message", "type"}}`, installed for their paths by
-`shapes.error_shaper`), so tools written for llama-server work against bmoe. The
+`{"error": {"code", "message", "type"}}`, which `register` declares for each route that
+has it, `shape=shapes.LLAMA`), so tools written for llama-server work against bmoe. The
 generation routes (`/completion`, `/v1/completions`) are in `completions.py`; this
 module holds the rest and `register`, their lines of the route table.
 
-Security: `bmoe.http.access` treats every path here as API (key, Host, Origin /
-`Sec-Fetch-Site`, 415 for non-JSON POSTs, no CORS); `/health` alone skips the key.
+Security: every route here is API (key, Host, Origin / `Sec-Fetch-Site`, 415 for
+non-JSON POSTs, no CORS); `/health` alone skips the key (`Access.PUBLIC`) and
+`/shutdown` answers this machine only (`Access.LOCAL_ONLY`), as `register` says.
 
 Anything that reaches llama.cpp runs on the engine thread, and every token id a client
 sends is checked against the vocabulary there first.
@@ -31,9 +32,9 @@ from ..engine.sampling import Sampling, check_tokens
 from ..engine.session import Session
 from ..http import limits
 from ..http.errors import HTTPError, invalid_request
-from ..http.routes import RouteTable
+from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
-from . import completions, metrics, openai_chat, wire
+from . import completions, metrics, openai_chat, shapes, wire
 from .bridge import wait_future
 from .shapes import engine_http_error
 from .state import ServerState
@@ -240,28 +241,30 @@ def register(table: RouteTable, state: ServerState) -> None:
     # Text and ids only: the default body cap (8 MiB) is far past any context, and it
     # bounds the tokenizer's buffer. Chat bodies (images) take the big cap.
     big = {"body_limit": limits.BIG_BODY_LIMIT_BYTES}
-    add("GET", "/health", health)
-    add("GET", "/v1/health", health)
-    add("POST", "/completion", completions.completion)
-    add("POST", "/completions", completions.completion)
-    add("POST", "/v1/completions", completions.openai_completion)
-    add("POST", "/tokenize", tokenize)
-    add("POST", "/detokenize", detokenize)
-    add("POST", "/apply-template", apply_template, **big)
-    add("POST", "/v1/chat/completions/input_tokens", input_tokens, **big)
-    add("POST", "/chat/completions/input_tokens", input_tokens, **big)
-    add("POST", "/chat/completions", openai_chat.handle, **big)
-    add("GET", "/props", props)
-    add("POST", "/props", set_props)
-    add("GET", "/slots", slots)
-    add("POST", "/slots/{id}", slot_action)
-    add("GET", "/metrics", get_metrics)
-    add("GET", "/models", models)
-    add("GET", "/models/{id}", model)
-    add("GET", "/v1/models/{id}", model)
+    llama = {"shape": shapes.LLAMA}          # llama-server's error object
+    runs = {"model": True}                   # needs the model: --autoload loads it first
+    add("GET", "/health", health, access=Access.PUBLIC, **llama)     # no key, as llama-server
+    add("GET", "/v1/health", health, access=Access.PUBLIC, **llama)
+    add("POST", "/completion", completions.completion, **llama, **runs)
+    add("POST", "/completions", completions.completion, **llama, **runs)
+    add("POST", "/v1/completions", completions.openai_completion, **llama, **runs)
+    add("POST", "/tokenize", tokenize, **llama, **runs)
+    add("POST", "/detokenize", detokenize, **llama, **runs)
+    add("POST", "/apply-template", apply_template, **big, **llama, **runs)
+    add("POST", "/v1/chat/completions/input_tokens", input_tokens, **big, **runs)
+    add("POST", "/chat/completions/input_tokens", input_tokens, **big, **runs)
+    add("POST", "/chat/completions", openai_chat.handle, **big, **runs)
+    add("GET", "/props", props, **llama)
+    add("POST", "/props", set_props, **llama)
+    add("GET", "/slots", slots, **llama)
+    add("POST", "/slots/{id}", slot_action, **llama)
+    add("GET", "/metrics", get_metrics, **llama)
+    add("GET", "/models", models, **llama)
+    add("GET", "/models/{id}", model, **llama)
+    add("GET", "/v1/models/{id}", model, **llama)
     add("GET", "/api/tags", ollama_tags)
     add("POST", "/api/show", ollama_show)
-    add("POST", "/shutdown", shutdown, local_only=True)
+    add("POST", "/shutdown", shutdown, access=Access.LOCAL_ONLY)
 
 
 def not_supported(message: str) -> HTTPError:
@@ -420,7 +423,7 @@ SHUTDOWN_DELAY_S = 0.2   # the answer goes out before the stop begins
 
 async def shutdown(state: ServerState, request: Request) -> Response:
     """Stop the server as SIGTERM does (the running answer ends, exit 0); from this
-    machine only (registered `local_only`: the access checks refuse the network first)."""
+    machine only (registered `Access.LOCAL_ONLY`: the access checks refuse the network first)."""
     request.json_object()
 
     async def later() -> None:

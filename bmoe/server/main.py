@@ -15,6 +15,7 @@ import trio
 from ..engine import params
 from ..engine.experts import streamer_factory
 from ..http import access
+from ..http.routes import RouteTable
 from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore
 from .events import EventBus
@@ -187,9 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def route_table(state: Any, args: argparse.Namespace) -> RouteTable:
+    """The routes ``serve`` answers for this command line. With ``--autoload`` (``state``
+    is then an ``AutoloadState``) a request to a route that runs the model loads it first."""
+    routes = build_routes(state)
+    if args.autoload:
+        from ..service.autoload import with_autoload  # bmoe.service imports this module
+        routes = with_autoload(routes, state)
+    return routes
+
+
 async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.AccessPolicy,
                 args: argparse.Namespace) -> None:
-    from ..service.autoload import AutoloadState, with_autoload
+    from ..service.autoload import AutoloadState
     from ..service.stopping import watch_signals
     config = ConfigStore(options.data_dir, launch)
     bus = EventBus()
@@ -199,10 +210,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
     plan_routes.attach(state, args)
     llama_compat.attach(state, args)
     agent_api.attach(state, args)
-    routes = build_routes(state)
-    if isinstance(state, AutoloadState):
-        routes = with_autoload(routes, state)   # a request that finds no model loads it
-    app = HttpApp(routes, policy, assets_dir(), error_shaper=error_shaper)
+    app = HttpApp(route_table(state, args), policy, assets_dir(), error_shaper=error_shaper)
     running = trio.CancelScope()
     async with trio.open_nursery() as outer:
         await outer.start(watch_signals, state, running)   # SIGTERM / SIGINT: a clean stop

@@ -1,8 +1,8 @@
 """The routes of the spec's ``## Models`` section: thin handlers over ``ModelsService``.
 
 ``register(table, state)`` adds them to the route table, deleting a model, adding one
-from a link and choosing the folders with ``local_only=True``: the access checks keep
-them to a client on this machine. A ``ModelsError`` the
+from a link and choosing the folders as ``Access.LOCAL_ONLY`` (their rows in ``ROUTES``):
+the access checks keep them to a client on this machine. A ``ModelsError`` the
 service raises becomes the ``HTTPError`` with its status, code and sentence.
 """
 
@@ -15,22 +15,18 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..http.errors import HTTPError
-from ..http.routes import RouteTable
+from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
 from ..models.errors import ModelsError
 from ..models.service import ModelsService
-
-LOCAL_ONLY = {("DELETE", "/api/models/local/{name:path}"), ("POST", "/api/models/url"),
-              ("PUT", "/api/models/folders")}
 
 Handler = Callable[[ModelsService, Request], Awaitable[Response]]
 
 
 def register(table: RouteTable, state: Any) -> None:
     """Add the models routes; the service is ``state.models`` (set at start)."""
-    for method, pattern, fn in ROUTES:
-        table.add(method, pattern, _bound(fn, state),
-                  local_only=(method, pattern) in LOCAL_ONLY)
+    for method, pattern, fn, access in ROUTES:
+        table.add(method, pattern, _bound(fn, state), access=access)
 
 
 def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
@@ -100,19 +96,21 @@ async def forget_entry(m: ModelsService, request: Request) -> Response:
     return Response.json(m.forget_entry(request.path_params["id"]))
 
 
-ROUTES: list[tuple[str, str, Handler]] = [
-    ("GET", "/api/models", get_models),
-    ("PUT", "/api/models/folders", put_folders),
-    ("POST", "/api/models/download", download),
-    ("DELETE", "/api/models/download/{id:path}", cancel_download),
-    ("DELETE", "/api/models/partial/{id:path}", delete_partial),
-    ("DELETE", "/api/models/local/{name:path}", delete_local),
-    ("POST", "/api/models/url", add_url),
-    ("POST", "/api/hf/search", hf_search),
-    ("POST", "/api/hf/models", hf_models),
-    ("POST", "/api/hf/inspect", hf_inspect),
-    ("POST", "/api/hf/add", hf_add),
-    ("DELETE", "/api/hf/entry/{id:path}", forget_entry),
+KEY, LOCAL = Access.KEY, Access.LOCAL_ONLY      # LOCAL: they change files or fetch a link
+
+ROUTES: list[tuple[str, str, Handler, Access]] = [
+    ("GET", "/api/models", get_models, KEY),
+    ("PUT", "/api/models/folders", put_folders, LOCAL),
+    ("POST", "/api/models/download", download, KEY),
+    ("DELETE", "/api/models/download/{id:path}", cancel_download, KEY),
+    ("DELETE", "/api/models/partial/{id:path}", delete_partial, KEY),
+    ("DELETE", "/api/models/local/{name:path}", delete_local, LOCAL),
+    ("POST", "/api/models/url", add_url, LOCAL),
+    ("POST", "/api/hf/search", hf_search, KEY),
+    ("POST", "/api/hf/models", hf_models, KEY),
+    ("POST", "/api/hf/inspect", hf_inspect, KEY),
+    ("POST", "/api/hf/add", hf_add, KEY),
+    ("DELETE", "/api/hf/entry/{id:path}", forget_entry, KEY),
 ]
 
 

@@ -1,4 +1,10 @@
-"""The route table: every route of bmoe-server, in one place you can grep."""
+"""The route table: every route of bmoe-server, in one place you can grep.
+
+Each registration says what the route is (see `bmoe/http/routes.py`): who it answers
+(`access`, the key by default), its errors' shape (`shape`, the server's own by
+default) and whether it runs the model (`model`: with `--autoload` a request to it
+loads the model first). The families below register their own the same way.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from ..http.sse import sse_comment, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from ..server.config import OutsideModelsDir, confine_model_path
 from . import decide, openai_chat, wire, ws
-from . import llama_compat, models_routes, plan_routes
+from . import llama_compat, models_routes, plan_routes, shapes
 from .state import ServerState
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
@@ -40,14 +46,17 @@ def build_routes(state: ServerState) -> RouteTable:
     add("PUT", "/api/config", put_config)
     add("GET", "/api/events", events, limiter=streams, limiter_error=streams_full)
     add("GET", "/api/ws", ws.handle, limiter=streams, limiter_error=streams_full)
-    add("POST", "/api/decide", decide.handle)
+    add("POST", "/api/decide", decide.handle, model=True)
     add("GET", "/v1/models", models)
-    add("POST", "/v1/chat/completions", openai_chat.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
-    from . import anthropic, responses  # the agent protocols' front doors
-    add("POST", "/v1/messages", anthropic.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
-    add("POST", "/v1/messages/count_tokens", anthropic.count_tokens,
+    add("POST", "/v1/chat/completions", openai_chat.handle, model=True,
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
-    add("POST", "/v1/responses", responses.handle, body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    from . import anthropic, responses  # the agent protocols' front doors
+    add("POST", "/v1/messages", anthropic.handle, shape=shapes.ANTHROPIC, model=True,
+        body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    add("POST", "/v1/messages/count_tokens", anthropic.count_tokens, shape=shapes.ANTHROPIC,
+        model=True, body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    add("POST", "/v1/responses", responses.handle, shape=shapes.RESPONSES, model=True,
+        body_limit=limits.BIG_BODY_LIMIT_BYTES)
     models_routes.register(table, state)
     plan_routes.register(table, state)
     llama_compat.register(table, state)  # llama-server's routes (/completion, /props, ...)

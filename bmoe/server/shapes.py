@@ -1,8 +1,11 @@
 """Error shapes per protocol family.
 
-`/v1/messages` and `/v1/responses` answer every refusal, the access checks'
-included, in their own protocol's shape; every other path uses the server's
-`{"error", "code"}`.
+A route says at its registration which shape its errors take (`shape=LLAMA`,
+`ANTHROPIC` or `RESPONSES`; see `bmoe/http/routes.py`): `/v1/messages` and
+`/v1/responses` answer every refusal, the access checks' included, in their own
+protocol's shape, llama-server's routes in llama-server's; every other route uses the
+server's `{"error", "code"}`. A path no route answers takes the shape of the route it
+lies below (`/v1/messages/x` is Anthropic's 404).
 """
 
 from __future__ import annotations
@@ -27,22 +30,19 @@ def responses_error(err: HTTPError) -> dict:
     return {"error": {"message": err.message, "type": kind, "param": None, "code": err.code}}
 
 
-def is_llama_path(path: str) -> bool:
-    """The routes that answer llama-server's error object (bmoe/server/llama_compat.py)."""
-    roots = ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
-             "/props", "/slots", "/metrics", "/health", "/v1/health", "/v1/completions",
-             "/models")
-    return path.startswith("/v1/models/") or any(path == r or path.startswith(r + "/")
-                                                 for r in roots)
+LLAMA = "llama"             # llama-server's error object (bmoe/server/llama_compat.py)
+ANTHROPIC = "anthropic"     # the Messages API's
+RESPONSES = "responses"     # the Responses API's
 
 
-def error_shaper(path: str, err: HTTPError) -> Response | None:
-    if is_llama_path(path):
-        from .completions import llama_error_body
+def error_shaper(shape: str, err: HTTPError) -> Response | None:
+    """``err`` in the shape its route declares; None for a name this module does not know."""
+    if shape == LLAMA:
+        from .completions import llama_error_body  # completions imports this module
         return Response.json(llama_error_body(err), status=err.status, headers=err.headers)
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+    if shape == ANTHROPIC:
         return Response.json(anthropic_error(err), status=err.status, headers=err.headers)
-    if path == "/v1/responses" or path.startswith("/v1/responses/"):
+    if shape == RESPONSES:
         return Response.json(responses_error(err), status=err.status, headers=err.headers)
     return None
 

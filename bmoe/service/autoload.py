@@ -5,9 +5,11 @@ during a load already does.
 ``AutoloadState`` is the server's ``ServerState`` with ``wake``: a request that needs
 the model and finds none loaded or loading starts the load of the saved model (or is
 refused with 503 ``no_model`` and a message that says to choose one). ``with_autoload``
-calls it before each route that runs the model (``MODEL_ROUTES``), ahead of the
-adapters' own "no model" check, which then finds a load under way and waits for it;
-``require_session`` does the same for a caller that goes there first. Loads stay
+calls it before each route registered ``model=True`` (the routes that run the model say
+so where they are registered), ahead of the adapters' own "no model" check, which then
+finds a load under way and waits for it (or, on llama-server's routes, answers 503
+``loading`` as llama-server does while it loads); ``require_session`` does the same for a
+caller that goes there first. Loads stay
 serialised by the state's own load lock, and ``begin_load`` marks the state ``loading``
 before it returns, so two requests that find nothing loaded start one load and both
 wait for it.
@@ -52,26 +54,10 @@ class AutoloadState(ServerState):
         return await super().require_session()
 
 
-# The routes that run the model: a request to one of them wakes the autoload.
-MODEL_ROUTES = frozenset({
-    ("POST", "/v1/chat/completions"), ("POST", "/v1/messages"),
-    ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/api/decide"),
-    # llama-server's generation routes (bmoe/server/llama_compat.py)
-    ("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
-    ("POST", "/chat/completions"),
-})
-
-
 def with_autoload(table: RouteTable, state: AutoloadState) -> RouteTable:
-    """The same routes, each of ``MODEL_ROUTES`` waking the autoload first."""
-    out = RouteTable()
-    for r in table:
-        handler = r.handler
-        if (r.method, r.pattern.text) in MODEL_ROUTES:
-            handler = _waking(handler, state)
-        out.add(r.method, r.pattern.text, handler, body_limit=r.body_limit,
-                limiter=r.limiter, limiter_error=r.limiter_error)
-    return out
+    """The same routes, each one registered ``model=True`` waking the autoload first; every
+    other attribute of every route (its access class above all) kept as registered."""
+    return table.wrapped(lambda r: _waking(r.handler, state) if r.model else r.handler)
 
 
 def _waking(handler: Handler, state: AutoloadState) -> Handler:

@@ -136,12 +136,12 @@ def make_routes(probe: Probe, *, body_limit: int | None = None,
     table.add("GET", "/api/stream", stream, limiter=stream_limiter,
               limiter_error=HTTPError(503, "streams_full", "Too many event streams."))
     table.add("GET", "/api/plain-stream", plain_stream)
-    table.add("POST", "/v1/messages", echo)
+    table.add("POST", "/v1/messages", echo, shape="anthropic")
     return table
 
 
-def anthropic_shaper(path: str, err: HTTPError) -> Response | None:
-    if not path.startswith("/v1/messages"):
+def anthropic_shaper(shape: str, err: HTTPError) -> Response | None:
+    if shape != "anthropic":
         return None
     return Response.json({"type": "error", "error": {"type": err.code, "message": err.message}},
                          status=err.status)

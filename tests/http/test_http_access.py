@@ -14,7 +14,7 @@ from bmoe.http.access import (
     split_host,
 )
 from bmoe.http.errors import HTTPError
-from bmoe.http.routes import RouteTable
+from bmoe.http.routes import Access, RouteTable
 from bmoe.http.types import Request, Response
 
 LOCAL = ("127.0.0.1", PORT)
@@ -36,8 +36,11 @@ async def _ok(request: Request) -> Response:
     return Response.json({})
 
 
-ROUTES = RouteTable()      # one local-only route, as an application registers it
-ROUTES.add("POST", "/api/models/url", _ok, local_only=True)
+ROUTES = RouteTable()      # routes as an application registers them, one of each class
+ROUTES.add("POST", "/api/models/url", _ok, access=Access.LOCAL_ONLY)
+ROUTES.add("GET", "/api/info", _ok)
+ROUTES.add("POST", "/v1/chat/completions", _ok)
+ROUTES.add("GET", "/health", _ok, access=Access.PUBLIC)
 
 
 def refusal(request: Request, policy: AccessPolicy) -> tuple[int, str] | None:

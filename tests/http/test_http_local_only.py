@@ -1,4 +1,4 @@
-"""A route registered ``local_only=True`` is refused (403) to a peer off loopback."""
+"""A route registered ``Access.LOCAL_ONLY`` is refused (403) to a peer off loopback."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from _http_support import LOOPBACK_PEER, NETWORK_PEER, PORT
 
 from bmoe.http.access import AccessPolicy, check_access
 from bmoe.http.errors import HTTPError
-from bmoe.http.routes import RouteTable
+from bmoe.http.routes import Access, RouteTable
 from bmoe.http.types import Request, Response
 
 NETWORK = AccessPolicy("0.0.0.0", port=PORT, api_key="s3cret")
@@ -22,7 +22,7 @@ async def _ok(request: Request) -> Response:
 
 def table() -> RouteTable:
     t = RouteTable()
-    t.add("GET", "/api/files/{name:path}", _ok, local_only=True)
+    t.add("GET", "/api/files/{name:path}", _ok, access=Access.LOCAL_ONLY)
     t.add("GET", "/api/open", _ok)
     return t
 
@@ -50,4 +50,4 @@ def test_a_flagged_route_refuses_the_network_whatever_the_spelling(target: str) 
 
 def test_an_unflagged_route_stays_open_with_the_key() -> None:
     assert refusal(req("GET", "/api/open", NETWORK_PEER), table()) is None
-    assert table().local_only_patterns()[0][0] == "GET"
+    assert [r.method for r in table() if r.access is Access.LOCAL_ONLY] == ["GET"]

@@ -15,7 +15,7 @@ from _http_support import ATTACK_HEAD_TIMEOUT_S, attack, check_attack, check_str
 
 from bmoe.http import limits
 from bmoe.http.access import AccessPolicy
-from bmoe.http.routes import RouteTable
+from bmoe.http.routes import Access, RouteTable
 from bmoe.http.server import HttpApp, serve_http
 from bmoe.http.types import Request, Response
 
@@ -59,9 +59,9 @@ def _app() -> HttpApp:
 
     routes = RouteTable()
     routes.add("GET", "/api/info", ok)
-    routes.add("DELETE", "/api/models/local/{name}", ok, local_only=True)
-    routes.add("POST", "/api/models/url", ok, local_only=True)
-    routes.add("GET", "/api/backends", ok, local_only=True)
+    routes.add("DELETE", "/api/models/local/{name}", ok, access=Access.LOCAL_ONLY)
+    routes.add("POST", "/api/models/url", ok, access=Access.LOCAL_ONLY)
+    routes.add("GET", "/api/backends", ok, access=Access.LOCAL_ONLY)
     routes.add("GET", "/api/models", ok)
     routes.add("POST", "/v1/chat/completions", ok)
     return HttpApp(routes, AccessPolicy(HOST_IP, api_key=KEY))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import trio
 
 from bmoe.http.errors import HTTPError
-from bmoe.http.routes import Pattern, RouteTable, path_segments
+from bmoe.http.routes import Access, Pattern, RouteTable, path_segments
 from bmoe.http.types import Request, Response
 
 
@@ -92,16 +94,14 @@ def test_duplicate_route_is_refused() -> None:
         t.add("GET", "/a/{p:path}/b", handler("x"))
 
 
-def test_loose_pattern_match() -> None:
+def test_depth_above() -> None:
     p = Pattern.parse("/api/tasks/{id}")
-    assert p.match_loosely(["api", "tasks", "1"])
-    assert p.match_loosely(["api", "tasks", "1", "run"])
-    assert not p.match_loosely(["api", "tasks"])
-    q = Pattern.parse("/api/conversations/{id}/file")
-    assert q.match_loosely(["api", "conversations", "a", "b", "file"])
-    assert not q.match_loosely(["api", "conversations", "a", "files"])
-    # Linear, not exponential, on a long path.
-    assert not Pattern.parse("/{a}/{b}/{c}/x").match_loosely(["s"] * 30000)
+    assert p.depth_above(["api", "tasks", "1"]) == 3
+    assert p.depth_above(["api", "tasks", "1", "run"]) == 3
+    assert p.depth_above(["api", "tasks", ""]) == 3       # a trailing slash is below it
+    assert p.depth_above(["api", "tasks"]) == 0
+    assert p.depth_above(["api", "task", "1"]) == 0
+    assert Pattern.parse("/files/{rest:path}").depth_above(["files", "a", "b"]) == 3
 
 
 def test_limiter_is_held_for_the_request_and_refuses_when_full() -> None:
@@ -135,3 +135,48 @@ def test_limiter_default_error_is_503_busy_with_retry_after() -> None:
         assert (info.value.status, info.value.code) == (503, "busy")
         assert ("Retry-After", "1") in info.value.headers
     trio.run(main)
+
+
+# --- what a route is, kept and read ------------------------------------------------------
+
+def classed() -> RouteTable:
+    t = RouteTable()
+    t.add("GET", "/health", handler("health"), access=Access.PUBLIC, shape="plain")
+    t.add("POST", "/api/files/{name:path}", handler("files"), access=Access.LOCAL_ONLY)
+    t.add("POST", "/v1/talk", handler("talk"), shape="talk", model=True, body_limit=5,
+          limiter=trio.CapacityLimiter(1), limiter_error=HTTPError(503, "full", "Full."))
+    t.add("GET", "/v1/talk/{id}", handler("one"), shape="talk")
+    return t
+
+
+def test_wrapped_replaces_the_handlers_only() -> None:
+    t = classed()
+    w = t.wrapped(lambda r: handler("wrapped-" + r.handler.__name__))
+    for old, new in zip(t, w, strict=True):
+        assert new.handler.__name__ == "wrapped-" + old.handler.__name__
+        assert dataclasses.replace(new, handler=old.handler) == old
+
+
+def test_lookup_of_a_route_carries_its_attributes() -> None:
+    found = classed().lookup("HEAD", "/health")
+    assert found.route is not None and (found.access, found.shape) == (Access.PUBLIC, "plain")
+    found = classed().lookup("POST", "/api/files/a%2Fb")
+    assert found.access is Access.LOCAL_ONLY and found.params == {"name": "a/b"}
+
+
+@pytest.mark.parametrize("method,path,access,shape,status", [
+    ("GET", "/api/nope", Access.KEY, None, 404),       # under a route's first segment
+    ("GET", "/v1/talk/1/x", Access.KEY, "talk", 404),  # below /v1/talk/{id}: its shape
+    ("GET", "/v1/talk/", Access.KEY, "talk", 404),
+    ("GET", "/v1/other", Access.KEY, None, 404),       # below no route
+    ("POST", "/health", Access.PUBLIC, "plain", 405),  # a public path stays public
+    ("GET", "/api/files/x", Access.KEY, None, 405),    # local-only is the POST's alone
+    ("GET", "/health/x", Access.KEY, "plain", 404),    # public is the route's, not below it
+    ("GET", "/index.html", None, None, 404),           # outside the API
+    ("GET", "/apix", None, None, 404),
+])
+def test_lookup_of_no_route(method: str, path: str, access: Access | None, shape: str | None,
+                            status: int) -> None:
+    found = classed().lookup(method, path)
+    assert found.route is None and found.refusal is not None
+    assert (found.access, found.shape, found.refusal.status) == (access, shape, status)
