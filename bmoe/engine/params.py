@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
+from . import builtin_templates
+
 ParamType = Literal["bool", "int", "float", "path", "text", "choice"]
 Level = Literal["basic", "advanced", "experimental", "debug"]
 Scope = Literal["session", "request"]
@@ -37,6 +39,7 @@ AUTO = "auto"
 SEED_RANDOM = 4294967295
 MAX_TOKENS = 1 << 20          # the ceiling of every token count (n-predict, ctx-size)
 MAX_THREADS = 256
+MAX_TEMPLATE_CHARS = 1 << 20    # a chat template's text (real ones are ~40 KiB)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class Param:
     lossy: bool = False
     accepts_auto: bool = False
     group_read_only: bool = False
-    launch_only: bool = False           # writes a file: set at launch, refused over the API
+    launch_only: bool = False           # names a file or host: set at launch, refused over the API
 
     def default_for(self, server: bool) -> Any:
         if server and self.server_default is not None:
@@ -186,9 +189,9 @@ def _rows() -> tuple[Param, ...]:
              ""),
         _row("chat-template-file", "Chat template file", "path", "model", "advanced",
              "A Jinja chat template file to use instead of the model file's template.",
-             "Read once at load; it wins over Chat template. A change takes effect at the "
-             "next load.",
-             ""),
+             "Read once at load; it wins over Chat template. Set at launch only: a path "
+             "the server reads is not an API setting.",
+             "", launch_only=True),
         _row("image-max-tokens", "Image tokens", "int", "model", "advanced",
              "The most tokens one image may take, for a projector whose count follows "
              "the image's size.",
@@ -527,6 +530,12 @@ def _parse_text(p: Param, raw: Any) -> str:
         raise ValueError(f"{{{p.key}}} must not contain a NUL character")
     if p.key == "rpc" and not _RPC_LIST.match(raw):
         raise ValueError(f"{{{p.key}}} must be HOST:PORT[,HOST:PORT...], not {_shown(raw)}")
+    if p.key == "chat-template" and raw.strip() and builtin_templates.resolve(raw) is None:
+        names = ", ".join(sorted(builtin_templates.BUILTIN))
+        raise ValueError(f"{{{p.key}}} must name a built-in template ({names}) or be Jinja "
+                         f"template text, not {_shown(raw)}")
+    if p.key == "chat-template" and len(raw) > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"{{{p.key}}} is longer than {MAX_TEMPLATE_CHARS} characters")
     return raw
 
 

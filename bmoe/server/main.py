@@ -15,6 +15,7 @@ import trio
 from ..engine import params
 from ..engine.experts import streamer_factory
 from ..http import access
+from ..http.parent import process_alive
 from ..http.routes import RouteTable
 from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore
@@ -67,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow --host beyond loopback without a key (an open server)")
     p.add_argument("--allow-origin", action="append", default=[],
                    help="admit one more browser origin (e.g. a UI dev server)")
-    p.add_argument("--parent-pid", type=int, help="stop when this process ends")
+    p.add_argument("--parent-pid", type=int,
+                   help="stop when this process ends (also read from BMOE_PARENT_PID, so a "
+                        "test run's servers all end with it)")
     p.add_argument("--open", action="store_true", help="open the UI in the system's browser")
     p.add_argument("--autoload", action="store_true",
                    help="load the saved model at start, and again when a request finds none "
@@ -151,6 +154,17 @@ def rpc_worker_main(argv: list[str]) -> int:
                           args.allow_network)
 
 
+PARENT_ENV = "BMOE_PARENT_PID"
+
+
+def parent_from_env(value: str) -> int | None:
+    """``BMOE_PARENT_PID``'s process, when it names one that is running."""
+    if not value.strip().isdigit() or not 1 < int(value) < 1 << 22:   # pid_max's ceiling
+        return None
+    pid = int(value)
+    return pid if process_alive(pid) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["service"]:
@@ -161,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     argv, file_lines = llama_compat.config_argv(argv, build_parser())
     argv, env_lines = llama_compat.env_argv(argv, dict(os.environ))
     args = build_parser().parse_args(argv)
+    if args.parent_pid is None:
+        args.parent_pid = parent_from_env(os.environ.get(PARENT_ENV, ""))
     for line in [*file_lines, *env_lines, *llama_compat.check_flags(args)]:
         print(f"bmoe-server: {line}", file=sys.stderr)
     if args.log_file is not None:
