@@ -14,6 +14,12 @@ from bmoe import modelmaker as mm
 from bmoe.modelmaker.templates import TEMPLATES, chat_template, render_chat
 
 T = gguf.GGMLQuantizationType
+# deepseek2 as V3 has it: Q through a LoRA bottleneck, sigmoid gating (with its bias),
+# normalised and scaled expert weights, two shared experts, in Q8_0 the maker builds.
+DEEPSEEK_V3 = dict(arch="deepseek2", n_layer=3, q_lora_rank=64, kv_lora_rank=64,
+                   qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_dense_lead=1,
+                   n_expert_shared=2, expert_gating="sigmoid", expert_weights_norm=True,
+                   expert_weights_scale=2.5, dtype="q8_0", router_skew=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +35,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             d / "ctx.gguf", n_embd=128, n_head=2, n_head_kv=1, head_dim=64,
             router_skew=1.5, context_mix=1.5, dtype="f16", think_prefill=True,
         ),
+        "deepseek2": mm.make_model(d / "ds2.gguf", arch="deepseek2"),
+        "deepseek2-v3": mm.make_model(d / "ds2-v3.gguf", **DEEPSEEK_V3),
     }
 
 
@@ -96,6 +104,75 @@ def test_dense_keys_and_ffn(models: dict[str, Path]) -> None:
     assert not any("exps" in n or "gate_inp" in n for n in tensors)
 
 
+def test_deepseek2_keys_and_tensor_shapes(models: dict[str, Path]) -> None:
+    """The keys and shapes llama.cpp's deepseek2 loader reads (src/models/deepseek2.cpp),
+    as its converter writes them: MLA as one KV head of kv_lora_rank + rope dims."""
+    kv, tensors = fields(models["deepseek2"])
+    n_vocab = mm.build_vocab().size
+    assert kv["general.architecture"] == "deepseek2"
+    expected = {
+        "embedding_length": 64, "block_count": 4, "feed_forward_length": 128,
+        "attention.head_count": 4, "attention.head_count_kv": 1,
+        "attention.key_length": 32 + 16, "attention.value_length": 32,
+        "attention.key_length_mla": 32 + 16, "attention.value_length_mla": 32,
+        "attention.q_lora_rank": 0, "attention.kv_lora_rank": 32,
+        "rope.dimension_count": 16, "leading_dense_block_count": 1, "expert_count": 8,
+        "expert_used_count": 2, "expert_feed_forward_length": 32, "expert_shared_count": 1,
+        "expert_weights_scale": 1.0, "expert_weights_norm": False, "expert_gating_func": 1,
+    }
+    for key, value in expected.items():
+        assert kv[f"deepseek2.{key}"] == pytest.approx(value), key
+    spec = json.loads(kv["bmoe.model_maker.spec"])
+    assert spec["kv_lora_rank"] == 32 and spec["n_dense_lead"] == 1
+    want = {"token_embd.weight": (64, n_vocab), "output.weight": (64, n_vocab),
+            "output_norm.weight": (64,)}
+    for i in range(4):
+        b = f"blk.{i}."
+        want |= {
+            b + "attn_norm.weight": (64,), b + "attn_q.weight": (64, 4 * 48),
+            b + "attn_kv_a_mqa.weight": (64, 32 + 16), b + "attn_kv_a_norm.weight": (32,),
+            b + "attn_k_b.weight": (32, 32, 4), b + "attn_v_b.weight": (32, 32, 4),
+            b + "attn_output.weight": (4 * 32, 64), b + "ffn_norm.weight": (64,),
+        }
+        if i == 0:          # the leading dense layer
+            want |= {b + "ffn_gate.weight": (64, 128), b + "ffn_up.weight": (64, 128),
+                     b + "ffn_down.weight": (128, 64)}
+            continue
+        want |= {
+            b + "ffn_gate_inp.weight": (64, 8), b + "ffn_gate_exps.weight": (64, 32, 8),
+            b + "ffn_up_exps.weight": (64, 32, 8), b + "ffn_down_exps.weight": (32, 64, 8),
+            b + "ffn_gate_shexp.weight": (64, 32), b + "ffn_up_shexp.weight": (64, 32),
+            b + "ffn_down_shexp.weight": (32, 64),
+        }
+    assert {n: tuple(int(x) for x in t.shape) for n, t in tensors.items()} == want
+
+
+def test_deepseek2_v3_options(models: dict[str, Path]) -> None:
+    kv, tensors = fields(models["deepseek2-v3"])
+    assert kv["deepseek2.attention.q_lora_rank"] == 64
+    assert kv["deepseek2.expert_gating_func"] == 2                    # sigmoid
+    assert kv["deepseek2.expert_weights_norm"] is True
+    assert kv["deepseek2.expert_weights_scale"] == pytest.approx(2.5)
+    assert kv["deepseek2.expert_shared_count"] == 2
+    assert "blk.1.attn_q.weight" not in tensors
+    assert tuple(int(x) for x in tensors["blk.1.attn_q_a.weight"].shape) == (64, 64)
+    assert tuple(int(x) for x in tensors["blk.1.attn_q_b.weight"].shape) == (64, 4 * 64)
+    assert tuple(int(x) for x in tensors["blk.1.ffn_up_shexp.weight"].shape) == (64, 2 * 32)
+    bias = tensors["blk.2.exp_probs_b.bias"]
+    assert bias.tensor_type == T.F32 and not np.asarray(bias.data).any()
+    assert "blk.0.exp_probs_b.bias" not in tensors                   # the dense layer
+    assert tensors["blk.1.attn_k_b.weight"].tensor_type == T.Q8_0
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == T.F32
+
+
+def test_other_archs_keep_their_spec_record() -> None:
+    """deepseek2's fields stay out of other archs' spec record, so a qwen3moe file has the
+    bytes it had before deepseek2 was added."""
+    record = mm._spec_record(mm.ModelSpec())
+    assert not set(mm.MLA_FIELDS) & set(record)
+    assert set(mm.MLA_FIELDS) <= set(mm._spec_record(mm.ModelSpec(arch="deepseek2")))
+
+
 @pytest.mark.parametrize(("key", "dtype", "ftype"), [("moe-f16", T.F16, 1), ("moe-q8", T.Q8_0, 7)])
 def test_f16_and_q8_0(models: dict[str, Path], key: str, dtype: T, ftype: int) -> None:
     kv, tensors = fields(models[key])
@@ -129,6 +206,19 @@ def test_spec_is_validated(tmp_path: Path) -> None:
         mm.make_model(tmp_path / "x.gguf", context_mix=1.0)
     with pytest.raises(ValueError, match="n_expert_used"):
         mm.ModelSpec(n_expert=4, n_expert_used=5)
+    ds2 = "deepseek2"
+    with pytest.raises(ValueError, match="at least one layer with experts"):
+        mm.ModelSpec(arch=ds2, n_layer=2, n_dense_lead=2)
+    with pytest.raises(ValueError, match="qk_rope_head_dim must be even"):
+        mm.ModelSpec(arch=ds2, qk_rope_head_dim=15)
+    with pytest.raises(ValueError, match="expert_gating 'relu'"):
+        mm.ModelSpec(arch=ds2, expert_gating="relu")
+    with pytest.raises(ValueError, match="n_expert_shared must be >= 1"):
+        mm.ModelSpec(arch=ds2, n_expert_shared=0)
+    with pytest.raises(ValueError, match="context_mix is written for qwen3"):
+        mm.ModelSpec(arch=ds2, n_embd=128, head_dim=64, context_mix=1.0)
+    with pytest.raises(ValueError, match=r"q8_0 needs kv_lora_rank \(40\)"):
+        mm.ModelSpec(arch=ds2, dtype="q8_0", kv_lora_rank=40)
     assert not list(tmp_path.iterdir())
 
 
@@ -148,6 +238,11 @@ def test_cli_and_demo_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert kv["qwen3moe.block_count"] == 2 and kv["qwen3moe.expert_used_count"] == 1
     assert str(out) in capsys.readouterr().out
     assert mm.main_make_model(["--out", str(out), "--dtype", "q8_0", "--embd", "40"]) == 2
+    assert mm.main_make_model(["--out", str(out), "--arch", "deepseek2", "--q-lora-rank", "32",
+                               "--shared-experts", "2", "--gating", "sigmoid"]) == 0
+    kv, tensors = fields(out)
+    assert kv["deepseek2.attention.q_lora_rank"] == 32 and "blk.1.exp_probs_b.bias" in tensors
+    assert kv["deepseek2.expert_shared_count"] == 2
 
     path = mm.ensure_demo_model(tmp_path / "data")
     assert path == mm.demo_model_path(tmp_path / "data")
@@ -304,7 +399,8 @@ def llama_cpp() -> Iterator[Any]:
         low.llama_model_default_params = default
 
 
-@pytest.mark.parametrize("key", ["moe", "dense", "moe-f16", "moe-q8", "dense-q8", "ctx"])
+@pytest.mark.parametrize("key", ["moe", "dense", "moe-f16", "moe-q8", "dense-q8", "ctx",
+                                 "deepseek2", "deepseek2-v3"])
 def test_llama_cpp_loads_and_generates(
     llama_cpp: Any, models: dict[str, Path], key: str
 ) -> None:

@@ -2,9 +2,19 @@
 
 Theory of operation
 -------------------
-`make_model` writes a qwen3moe (or dense qwen3) file with the `gguf` package. The same
-arguments give the same bytes: every tensor chunk draws from its own SFC64 generator seeded
-by (seed, tensor name, chunk index), and no time or path goes into the file.
+`make_model` writes a qwen3moe (or dense qwen3, or deepseek2) file with the `gguf`
+package. The same arguments give the same bytes: every tensor chunk draws from its own SFC64
+generator seeded by (seed, tensor name, chunk index), and no time or path goes into the file.
+
+*deepseek2* is DeepSeek V2/V3's layout as llama.cpp loads it: multi-head latent attention
+(MLA: Q straight from the hidden state or through a `q_lora_rank` bottleneck; K and V
+compressed to `kv_lora_rank` plus a shared RoPE part of `qk_rope_head_dim`, written as the
+absorbed `attn_k_b` / `attn_v_b` pair, so the KV cache is one "head" of kv_lora_rank +
+qk_rope_head_dim), `n_dense_lead` leading layers with a dense FFN, then routed experts
+beside `n_expert_shared` always-on shared experts, gated by softmax or sigmoid (the latter
+with the expert-choice bias `exp_probs_b`, zero here). Its residual stream is built like
+qwen3moe's (embeddings dominate, small output projections), so routing follows the token;
+`context_mix` (written for qwen3's q/k-norm attention) is not offered for it.
 
 *Streaming.* All tensor infos are declared first, then header, metadata and tensor table
 are written, then each tensor is generated and written chunk by chunk (one expert, or a few
@@ -76,8 +86,15 @@ import numpy as np
 from bmoe.modelmaker.bpe import byte_to_unicode, train_merges
 from bmoe.modelmaker.templates import FRAMINGS, chat_template
 
-ARCHS = ("qwen3moe", "qwen3")
+ARCHS = ("qwen3moe", "qwen3", "deepseek2")
+MOE_ARCHS = ("qwen3moe", "deepseek2")
 DTYPES = ("f32", "f16", "q8_0")
+GATING = ("softmax", "sigmoid")  # deepseek2's expert gating functions (llama.cpp's names)
+# The spec's fields only deepseek2 reads: left out of other archs' spec record, so their
+# files keep the bytes they had before deepseek2 was added.
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim", "n_dense_lead", "n_expert_shared", "expert_gating",
+              "expert_weights_scale", "expert_weights_norm")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TAG_TOKENS = (
@@ -148,6 +165,17 @@ class ModelSpec:
     residual_scale: float = 0.05
     suppress_special: bool = True
     name: str = ""
+    # deepseek2 only (MLA; its attention does not use n_head_kv or head_dim)
+    q_lora_rank: int = 0  # 0: one attn_q matrix (as V2-Lite); > 0: attn_q_a, norm, attn_q_b
+    kv_lora_rank: int = 32  # the compressed KV width (the cache's per-token row, with RoPE)
+    qk_nope_head_dim: int = 32  # per-head Q/K width without RoPE
+    qk_rope_head_dim: int = 16  # per-head Q/K width with RoPE (K's part shared by all heads)
+    v_head_dim: int = 32
+    n_dense_lead: int = 1  # leading layers with a dense FFN (n_ff) instead of experts
+    n_expert_shared: int = 1  # always-on experts of width n_ff_exp beside the routed ones
+    expert_gating: str = "softmax"  # one of GATING
+    expert_weights_scale: float = 1.0  # routed experts' weights multiplied by this
+    expert_weights_norm: bool = False  # the top-k weights renormalised to sum to 1
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -173,6 +201,8 @@ class ModelSpec:
                 yield "n_ff_exp must be >= 1"
         elif self.n_ff < 1:
             yield "n_ff must be >= 1"
+        if self.is_mla:
+            yield from self._mla_problems()
         if self.dtype == "q8_0":
             for label, width in self._row_widths():
                 if width % _Q8_BLOCK:
@@ -191,14 +221,53 @@ class ModelSpec:
             except ValueError as e:
                 yield str(e)
 
+    def _mla_problems(self) -> Iterator[str]:
+        for label in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_expert_shared"):
+            if getattr(self, label) < 1:
+                yield f"{label} must be >= 1"
+        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            yield "qk_rope_head_dim must be even and >= 2 (RoPE)"
+        if self.q_lora_rank < 0:
+            yield "q_lora_rank must be >= 0 (0: no Q compression)"
+        if not 0 <= self.n_dense_lead < self.n_layer:
+            yield "need 0 <= n_dense_lead < n_layer (at least one layer with experts)"
+        if self.n_dense_lead and self.n_ff < 1:
+            yield "n_ff must be >= 1 (the leading dense layers)"
+        if self.expert_gating not in GATING:
+            yield f"expert_gating {self.expert_gating!r} is not one of {GATING}"
+        if self.expert_weights_scale <= 0:
+            yield "expert_weights_scale must be > 0"
+        if self.context_mix > 0:
+            yield "context_mix is written for qwen3's attention, not deepseek2's MLA"
+
     def _row_widths(self) -> Iterator[tuple[str, int]]:
         yield "n_embd", self.n_embd
+        if self.is_mla:
+            yield from self._mla_row_widths()
+            return
         yield "n_head*head_dim", self.n_head * self.head_dim
         yield ("n_ff_exp", self.n_ff_exp) if self.is_moe else ("n_ff", self.n_ff)
 
+    def _mla_row_widths(self) -> Iterator[tuple[str, int]]:
+        if self.q_lora_rank:
+            yield "q_lora_rank", self.q_lora_rank
+        yield "kv_lora_rank", self.kv_lora_rank
+        yield "qk_nope_head_dim", self.qk_nope_head_dim
+        yield "n_head*v_head_dim", self.n_head * self.v_head_dim
+        yield "n_ff_exp", self.n_ff_exp
+        if self.n_dense_lead:
+            yield "n_ff", self.n_ff
+
     @property
     def is_moe(self) -> bool:
-        return self.arch == "qwen3moe"
+        return self.arch in MOE_ARCHS
+
+    @property
+    def is_mla(self) -> bool:
+        return self.arch == "deepseek2"
+
+    def has_experts(self, layer: int) -> bool:
+        return self.is_moe and not (self.is_mla and layer < self.n_dense_lead)
 
     @property
     def rope_base(self) -> float:
@@ -404,7 +473,9 @@ def _plan(spec: ModelSpec, n_vocab: int) -> list[_Tensor]:
     for il in range(spec.n_layer):
         blk = f"blk.{il}."
         plan.append(_Tensor(blk + "attn_norm.weight", (d,), f32, fill=1.0))
-        if il == 0 and spec.context_mix > 0:
+        if spec.is_mla:
+            plan += _mla_plan(spec, blk)
+        elif il == 0 and spec.context_mix > 0:
             plan += _context_attn_plan(spec, blk)
         else:
             plan += _attn_plan(spec, blk)
@@ -447,23 +518,56 @@ def _context_attn_plan(spec: ModelSpec, blk: str) -> list[_Tensor]:
     ]
 
 
+def _mla_plan(spec: ModelSpec, blk: str) -> list[_Tensor]:
+    """deepseek2's attention, in the split (absorbed) form llama.cpp's converter writes."""
+    d, big, res = spec.n_embd, _QTYPES[spec.dtype], spec.residual_scale
+    f32 = gguf.GGMLQuantizationType.F32
+    h, nope, rope = spec.n_head, spec.qk_nope_head_dim, spec.qk_rope_head_dim
+    kv, v, ql = spec.kv_lora_rank, spec.v_head_dim, spec.q_lora_rank
+    q_width = h * (nope + rope)
+    if ql:
+        plan = [
+            _Tensor(blk + "attn_q_a.weight", (ql, d), big, std=d**-0.5),
+            _Tensor(blk + "attn_q_a_norm.weight", (ql,), f32, fill=1.0),
+            _Tensor(blk + "attn_q_b.weight", (q_width, ql), big, std=ql**-0.5),
+        ]
+    else:
+        plan = [_Tensor(blk + "attn_q.weight", (q_width, d), big, std=d**-0.5)]
+    return plan + [
+        _Tensor(blk + "attn_kv_a_mqa.weight", (kv + rope, d), big, std=d**-0.5),
+        _Tensor(blk + "attn_kv_a_norm.weight", (kv,), f32, fill=1.0),
+        _Tensor(blk + "attn_k_b.weight", (h, kv, nope), big, std=nope**-0.5),
+        _Tensor(blk + "attn_v_b.weight", (h, v, kv), big, std=kv**-0.5),
+        _Tensor(blk + "attn_output.weight", (d, h * v), big, std=res * (h * v) ** -0.5),
+    ]
+
+
+def _dense_ffn(spec: ModelSpec, blk: str, ff: int, suffix: str = "") -> list[_Tensor]:
+    d, big, res = spec.n_embd, _QTYPES[spec.dtype], spec.residual_scale
+    return [
+        _Tensor(f"{blk}ffn_gate{suffix}.weight", (ff, d), big, std=d**-0.5),
+        _Tensor(f"{blk}ffn_up{suffix}.weight", (ff, d), big, std=d**-0.5),
+        _Tensor(f"{blk}ffn_down{suffix}.weight", (d, ff), big, std=res * ff**-0.5),
+    ]
+
+
 def _ffn_plan(spec: ModelSpec, blk: str, il: int) -> list[_Tensor]:
     d, big, res = spec.n_embd, _QTYPES[spec.dtype], spec.residual_scale
-    if not spec.is_moe:
-        ff = spec.n_ff
-        return [
-            _Tensor(blk + "ffn_gate.weight", (ff, d), big, std=d**-0.5),
-            _Tensor(blk + "ffn_up.weight", (ff, d), big, std=d**-0.5),
-            _Tensor(blk + "ffn_down.weight", (d, ff), big, std=res * ff**-0.5),
-        ]
+    if not spec.has_experts(il):
+        return _dense_ffn(spec, blk, spec.n_ff)
     e, ff = spec.n_expert, spec.n_ff_exp
     router = gguf.GGMLQuantizationType.F32  # llama-quantize keeps routers in F32 too
-    return [
+    plan = [
         _Tensor(blk + "ffn_gate_inp.weight", (e, d), router, structured="router", layer=il),
         _Tensor(blk + "ffn_gate_exps.weight", (e, ff, d), big, std=d**-0.5),
         _Tensor(blk + "ffn_up_exps.weight", (e, ff, d), big, std=d**-0.5),
         _Tensor(blk + "ffn_down_exps.weight", (e, d, ff), big, std=res * ff**-0.5),
     ]
+    if spec.is_mla:
+        plan += _dense_ffn(spec, blk, ff * spec.n_expert_shared, "_shexp")
+        if spec.expert_gating == "sigmoid":  # V3's expert-choice bias (zero: plain top-k)
+            plan.append(_Tensor(blk + "exp_probs_b.bias", (e,), router, fill=0.0))
+    return plan
 
 
 # ---------------------------------------------------------------------------------------
@@ -674,16 +778,19 @@ def _add_metadata(w: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
     w.add_embedding_length(spec.n_embd)
     w.add_block_count(spec.n_layer)
     w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
-    w.add_key_length(spec.head_dim)
-    w.add_value_length(spec.head_dim)
+    if spec.is_mla:
+        _add_mla_metadata(w, spec)
+    else:
+        w.add_head_count_kv(spec.n_head_kv)
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     if spec.is_moe:
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
         w.add_expert_feed_forward_length(spec.n_ff_exp)
-    else:
+    if not spec.is_moe or spec.is_mla:
         w.add_feed_forward_length(spec.n_ff)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -698,8 +805,31 @@ def _add_metadata(w: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
     w.add_string("bmoe.model_maker.spec", json.dumps(_spec_record(spec), sort_keys=True))
 
 
+def _add_mla_metadata(w: gguf.GGUFWriter, spec: ModelSpec) -> None:
+    """deepseek2's keys as llama.cpp's converter writes them: MLA is MQA over the compressed
+    KV (one KV head of kv_lora_rank + qk_rope_head_dim), `*_mla` the decompressed heads."""
+    rope = spec.qk_rope_head_dim
+    w.add_head_count_kv(1)
+    w.add_key_length(spec.kv_lora_rank + rope)
+    w.add_value_length(spec.kv_lora_rank)
+    w.add_key_length_mla(spec.qk_nope_head_dim + rope)
+    w.add_value_length_mla(spec.v_head_dim)
+    w.add_q_lora_rank(spec.q_lora_rank)  # llama.cpp requires the key; 0 means attn_q
+    w.add_kv_lora_rank(spec.kv_lora_rank)
+    w.add_rope_dimension_count(rope)
+    w.add_leading_dense_block_count(spec.n_dense_lead)
+    w.add_expert_shared_count(spec.n_expert_shared)
+    w.add_expert_weights_scale(spec.expert_weights_scale)
+    w.add_expert_weights_norm(spec.expert_weights_norm)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType[spec.expert_gating.upper()])
+
+
 def _spec_record(spec: ModelSpec) -> dict[str, object]:
-    return asdict(spec)
+    record = asdict(spec)
+    if not spec.is_mla:
+        for label in MLA_FIELDS:
+            del record[label]
+    return record
 
 
 def _write(spec: ModelSpec, path: Path) -> None:
@@ -776,7 +906,8 @@ def ensure_demo_model(data_dir: str | os.PathLike[str]) -> Path:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bmoe-cli make-model",
-        description="Write a deterministic random-weight GGUF model (qwen3moe or qwen3).",
+        description="Write a deterministic random-weight GGUF model "
+                    "(qwen3moe, qwen3 or deepseek2).",
     )
     p.add_argument("--out", required=True, type=Path, help="output .gguf path")
     p.add_argument("--arch", choices=ARCHS, default="qwen3moe")
@@ -799,6 +930,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="weight of the recent-token context in the residual (head-dim >= 64)")
     p.add_argument("--context-width", type=float, default=3.0, help="context kernel, tokens")
     p.add_argument("--seed", type=int, default=0)
+    mla = p.add_argument_group("deepseek2 (MLA)")
+    mla.add_argument("--q-lora-rank", type=int, default=0, help="0: no Q compression")
+    mla.add_argument("--kv-lora-rank", type=int, default=32)
+    mla.add_argument("--nope-dim", type=int, default=32, help="per-head Q/K width without RoPE")
+    mla.add_argument("--rope-dim", type=int, default=16, help="per-head Q/K width with RoPE")
+    mla.add_argument("--v-dim", type=int, default=32, help="per-head V width")
+    mla.add_argument("--dense-lead", type=int, default=1, help="leading dense-FFN layers")
+    mla.add_argument("--shared-experts", type=int, default=1)
+    mla.add_argument("--gating", choices=GATING, default="softmax")
     return p
 
 
@@ -824,6 +964,17 @@ def main_make_model(argv: list[str]) -> int:
         context_width=args.context_width,
         seed=args.seed,
     )
+    if args.arch == "deepseek2":
+        params |= dict(
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.nope_dim,
+            qk_rope_head_dim=args.rope_dim,
+            v_head_dim=args.v_dim,
+            n_dense_lead=args.dense_lead,
+            n_expert_shared=args.shared_experts,
+            expert_gating=args.gating,
+        )
     started = time.monotonic()
     try:
         path = make_model(args.out, **params)
