@@ -44,7 +44,8 @@ def test_amx_is_off_without_a_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     choice = kernels._decide("auto", ("AMX", "CPU_REPACK"))
     assert choice.extra_bufts is False and choice.decided_by == "known fault"
     assert "AMX" in choice.reason
-    assert kernels._decide("on", ("AMX", "CPU_REPACK")).extra_bufts is True
+    on = kernels._decide("on", ("AMX", "CPU_REPACK"))       # not even when asked for
+    assert on.extra_bufts is False and on.decided_by == "known fault"
 
 
 def test_auto_follows_the_probe_and_keeps_its_verdict(
@@ -155,16 +156,14 @@ def test_forced_unusable_loads_without_them_and_answers(faulting: ServerProcess,
     _batched_answer(faulting)
 
 
-def test_forced_usable_loads_with_them_and_answers(tmp_path: Path, q4_moe: Path,
-                                                   model_dir: Path) -> None:
+def test_forced_usable_loads_with_them_and_answers(tmp_path: Path, q4_moe: Path) -> None:
     names = kernels.registered_extra_bufts()
-    # `on` trusts the build unchecked: on a host whose AMX faults that is a crash by
-    # request, so there the usable branch is taken on an F32 model AMX does not take.
-    model = q4_moe if "AMX" not in names else make_model(model_dir / "kernels-f32b.gguf")
+    model = q4_moe
     srv = _serve(tmp_path, model, "--repack", "on")
     try:
         k = srv.info()["model"]["kernels"]
-        assert k["mode"] == "on" and k["extra_bufts"] is bool(names), k
+        assert k["mode"] == "on", k
+        assert k["extra_bufts"] is (bool(names) and "AMX" not in names), k
         on = _batched_answer(srv)
     finally:
         srv.stop()

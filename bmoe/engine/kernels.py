@@ -11,13 +11,14 @@ tile configuration is half written), and deepseek2 models abort at context creat
 them. A crash in C takes every session with it, so the engine decides once, per host and
 build, before a resident load trusts them:
 
-* the ``repack`` setting: ``off`` never uses them, ``on`` uses them whenever the build
-  registered any (the person's choice, no probe), ``auto`` (the default) decides here;
-* ``auto`` with no extra buffer type registered: nothing to decide (off);
-* ``auto`` with ``AMX`` registered: off, without a probe: the fault is this build's,
-  so any host that registers AMX is exposed (and a probe that happens to pass on stack
-  garbage would prove nothing);
-* otherwise ``bmoe.kernelprobe`` runs in a child process: a tiny model in every type the
+* no extra buffer type registered: nothing to decide (off);
+* ``AMX`` registered: off, without a probe and whatever the setting: the fault is this
+  build's, so any host that registers AMX is exposed (a probe that happened to pass on
+  stack garbage would prove nothing, and a setting sent over the API must not be able
+  to crash the server);
+* the ``repack`` setting: ``off`` never uses them, ``on`` uses them unchecked (the
+  person's choice, no probe), ``auto`` (the default) runs the probe:
+  ``bmoe.kernelprobe`` in a child process: a tiny model in every type the
   buffer types take, a batch and a token each way; a crash or logits that disagree is
   "off", a clean run "on". The verdict is kept in the user's cache folder, keyed by the
   CPU's flags and the llama.cpp libraries' identity, so each host probes once per build.
@@ -162,13 +163,13 @@ def _decide(mode: str, registered: tuple[str, ...]) -> KernelChoice:
     if not registered:
         return KernelChoice(False, registered, mode, "none registered",
                             "this build has no extra buffer types for this CPU")
-    if mode == "on":
-        return KernelChoice(True, registered, mode, "setting",
-                            f"turned on by the setting: {', '.join(registered)}")
-    if "AMX" in registered:
+    if "AMX" in registered:       # even under `on`: a setting must not crash the server
         return KernelChoice(False, registered, mode, "known fault",
                             "this llama.cpp build's AMX kernels fault on batches of two "
                             "or more tokens")
+    if mode == "on":
+        return KernelChoice(True, registered, mode, "setting",
+                            f"turned on by the setting: {', '.join(registered)}")
     usable, why = _probe_cached(registered)
     if usable:
         return KernelChoice(True, registered, mode, "probe",
