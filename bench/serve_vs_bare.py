@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llama_cpp as lc  # noqa: E402
 
+from bmoe.engine import kernels  # noqa: E402
 from bmoe.modelmaker import make_model  # noqa: E402
 from bmoe.engine.experts import streamer_factory  # noqa: E402
 from bmoe.engine.session import Session  # noqa: E402
@@ -52,6 +53,7 @@ N_CTX = 4096
 def bare_loop(model_path: Path, prompt_tokens: list[int], n: int) -> float:
     lc.llama_backend_init()
     mp = lc.llama_model_default_params()
+    mp.use_extra_bufts = kernels.choose("auto").extra_bufts   # the kernels bmoe runs here
     model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = N_CTX, 512, 512
