@@ -446,7 +446,9 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     elif framing == QWEN3_CODER:
         conv, bodies = _coder_bodies(functions)
     else:
-        raise ValueError(f"no tool-call grammar for framing {framing!r}")
+        from .families.grammar_calls import family_call_grammar
+        return family_call_grammar(framing, tools, allow_reasoning=allow_reasoning,
+                                   starts_in_reasoning=starts_in_reasoning, parallel=parallel)
     rules = conv._rules
     more = " ( bmoe-gap bmoe-call )*" if parallel else ""
     rules["root"] = f"{_reasoning_prefix(rules, allow_reasoning, starts_in_reasoning)}" \

@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol
 import llama_cpp as lc
 
 from .calibrate import Arm, Trial
+from . import families
 from .chatparse import detect_framing
 from .errors import EngineError, LoadError, context_full
 from . import builtin_templates, kernels
@@ -306,19 +307,23 @@ class Session:
         return resolved, f"built-in {named.strip().lower()}" if is_name else "setting"
 
     def _find_tool_framing(self) -> str | None:
-        """The template's tool-call framing (hermes, qwen3-coder), found by rendering a
-        sample call through it; None when it has none the parser knows."""
+        """The template's chat-format family (`families.detect` reads the template's text;
+        Qwen's hermes / qwen3_coder are told apart by rendering a sample call), the
+        generic JSON format when neither knows it; None without a template."""
         if self.template is None:
             return None
 
         def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
             return self.render(messages, tools=tools, add_generation_prompt=False)
 
+        named = families.detect(self.template_text)
+        if named is not None:
+            return named
         try:
-            return detect_framing(render)
+            return detect_framing(render) or families.GENERIC
         except TemplateError as e:
             log.warning("the chat template refused a sample tool call: %s", e)
-            return None
+            return families.GENERIC
 
     def close(self) -> None:
         vision, self.vision = getattr(self, "vision", None), None
@@ -374,11 +379,12 @@ class Session:
         return bool(lc.llama_vocab_is_eog(self.vocab, token))
 
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               enable_thinking: bool = True, add_generation_prompt: bool = True) -> str:
+               enable_thinking: bool = True, add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
         if self.template is None:
             raise EngineError("needs_chat_mode", "This model has no chat template; it cannot chat.")
         return self.template.render(messages, tools=tools, enable_thinking=enable_thinking,
-                                    add_generation_prompt=add_generation_prompt)
+                                    add_generation_prompt=add_generation_prompt, extra=extra)
 
     # -- decoding ------------------------------------------------------------
 

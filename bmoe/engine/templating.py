@@ -8,6 +8,7 @@ sandboxed Jinja environment with `trim_blocks`/`lstrip_blocks`, `raise_exception
 
 from __future__ import annotations
 
+import copy
 import json
 from datetime import datetime
 from typing import Any
@@ -25,6 +26,17 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Immutable, but a template may change a list (Kimi-K2-Thinking appends to and pops
+    from one), as llama.cpp's own Jinja engine allows; `render` hands the template a copy
+    of the conversation, so the caller's lists are never changed."""
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if isinstance(obj, list) and attr in ("append", "extend", "pop", "insert"):
+            return True
+        return super().is_safe_attribute(obj, attr, value)
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
@@ -33,7 +45,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 class ChatTemplate:
     def __init__(self, text: str, *, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(
+        env = _Sandbox(
             loader=jinja2.BaseLoader(),
             trim_blocks=True,
             lstrip_blocks=True,
@@ -58,8 +70,8 @@ class ChatTemplate:
     ) -> str:
         kwargs: dict[str, Any] = dict(extra or {})
         kwargs.update(
-            messages=messages,
-            tools=tools or None,
+            messages=copy.deepcopy(messages),
+            tools=copy.deepcopy(tools) or None,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
             bos_token=self._bos,

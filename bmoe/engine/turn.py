@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import families
 from . import grammar as gbnf
 from .chatparse import CALL_OPEN
 from .errors import EngineError, context_full, no_vision
@@ -50,6 +51,8 @@ class TurnRequest:
     cache_prompt: bool = True
     # the request's images, each marked at its place in `messages` (`images.ImageSet`)
     images: ImageSet | None = None
+    # extra template variables (``reasoning_effort`` for gpt-oss)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def conflict(self) -> str | None:
         """Why these choices cannot hold together (a sentence), or None."""
@@ -76,6 +79,7 @@ class Prepared:
     steps: int                                       # the token budget as a number
     grammar_triggers: list[int] = field(default_factory=list)  # lazy grammar: its trigger tokens
     image_tokens: int = 0                            # of `tokens`, what images take
+    family: str | None = None                        # the model's chat format (`families`)
 
 
 @dataclass
@@ -96,7 +100,8 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
     if req.raw_prompt is not None:
         return _prepare_raw(session, req, req.raw_prompt)
     try:
-        text = session.render(req.messages, tools=req.offered_tools(), enable_thinking=req.think)
+        text = session.render(req.messages, tools=req.offered_tools(), enable_thinking=req.think,
+                              extra=req.template_kwargs or None)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e
     tokens, cells, image_tokens = _prompt_tokens(session, text, req.images)
@@ -104,7 +109,7 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
         raise EngineError("empty_prompt", "The conversation rendered to an empty prompt.")
     if cells >= session.n_ctx:
         raise context_full(cells, session.n_ctx)
-    starts = req.think and ends_inside_think(text)
+    starts = req.think and families.ends_inside_reasoning(session.tool_framing, text)
     framing = session.tool_framing if req.offered_tools() else None
     grammar = choose_grammar(req, session.tool_framing, starts)
     triggers: list[int] = []
@@ -113,7 +118,8 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
         grammar = grammar.text if triggers else None
     room = session.n_ctx - len(tokens)
     steps = room if req.max_tokens <= 0 else min(req.max_tokens, room)
-    return Prepared(text, tokens, starts, framing, grammar, steps, triggers, image_tokens)
+    return Prepared(text, tokens, starts, framing, grammar, steps, triggers, image_tokens,
+                    session.tool_framing)
 
 
 def _prompt_tokens(session: Session, text: str,
@@ -197,7 +203,9 @@ def _lazy_call_grammar(framing: str, tools: list[dict[str, Any]]) -> "LazyGramma
     except ValueError as e:
         log.warning("tool calls will not be held to a grammar: %s", e)
         return None
-    return LazyGrammar(text, [CALL_OPEN])
+    fam = families.family(framing)
+    words = list(fam.triggers) if fam is not None and fam.triggers else [CALL_OPEN]
+    return LazyGrammar(text, words)
 
 
 @dataclass

@@ -308,7 +308,8 @@ async def props(state: ServerState, request: Request) -> Response:
     return Response.json({
         "default_generation_settings": default_settings(session),
         "total_slots": 1, "model_alias": session.path.name, "model_path": str(session.path),
-        "chat_template": session.template_text, "bos_token": session.bos_token,
+        "chat_template": session.template_text, "chat_format": session.tool_framing or "none",
+        "bos_token": session.bos_token,
         "eos_token": session.eos_token, "modalities": {"vision": session.vision is not None, "audio": False},
         "build_info": f"bmoe {__version__}", "n_ctx": session.n_ctx})
 

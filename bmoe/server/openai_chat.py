@@ -107,8 +107,14 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=budget, think=think, schema=schema,
                       grammar=parsed.grammar or None,
-                      parallel_calls=bool(parsed.parallel_tool_calls), images=images)
+                      parallel_calls=bool(parsed.parallel_tool_calls), images=images,
+                      template_kwargs=_effort(parsed.reasoning_effort))
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
+
+
+def _effort(effort: str | None) -> dict[str, Any]:
+    """``reasoning_effort`` low / medium / high reaches the template (gpt-oss reads it)."""
+    return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else {}
 
 
 # -- response -----------------------------------------------------------------

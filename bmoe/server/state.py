@@ -127,6 +127,7 @@ class ServerState:
         return {
             "path": str(s.path), "name": s.path.name, "arch": s.arch, "n_ctx": s.n_ctx,
             "n_expert_used": s.n_expert_used, "think_ctl": "template" if s.template else "none",
+            "chat_format": s.tool_framing or "none",
             "load_s": round(s.load_s, 3), "streaming": s.streamer is not None,
             "overlap": getattr(s.streamer, "queue", None) is not None
             and bool(getattr(s.streamer, "overlap", False)),
@@ -211,7 +212,8 @@ class ServerState:
             self._set_state("ready")
             self.bus.log("info", f"loaded {session.path.name} ({session.arch}, n_ctx "
                          f"{session.n_ctx}, streaming {'on' if session.streamer else 'off'}, "
-                         f"{session.kernels.line()}) in {session.load_s:.2f} s")
+                         f"{session.kernels.line()}, chat format "
+                         f"{session.tool_framing or 'none'}) in {session.load_s:.2f} s")
             if session.n_ctx < CTX_FOR_CLIENTS:
                 self.bus.log("warn", f"the context is {session.n_ctx} tokens, below the "
                              f"{CTX_FOR_CLIENTS} a coding agent needs; raise it with --ctx-size")

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Union
 
 from ..engine.chatparse import (AppendOnlyStream, BlockClose, BlockEvent, BlockOpen,
-                                ChatDeltaStream, OutputParser, ParseView, random_call_ids)
+                                ChatDeltaStream, ParseView, random_call_ids)
+from ..engine.families import output_parser
 from ..engine.errors import EngineError
 from ..engine.session import Generation, TokenEvent
 from ..engine.turn import Prepared, TurnRequest
@@ -147,8 +148,8 @@ class TurnOutput:
     def __init__(self, prepared: Prepared, req: TurnRequest, shape: Shape | None,
                  new_call_id: Callable[[], str] | None = None) -> None:
         tools = req.offered_tools()
-        self.parser = OutputParser(prepared.framing if tools else None,
-                                   prepared.starts_in_reasoning, tools)
+        self.parser = output_parser(prepared.framing if tools else None,
+                                    prepared.starts_in_reasoning, tools, prepared.family)
         self.shape = shape
         new_id = new_call_id or random_call_ids()
         self._chat = ChatDeltaStream(new_id) if shape == "revisable" else None

@@ -1,0 +1,166 @@
+"""Chat-format families: which markup a model's template makes it write, and how to read it.
+
+Theory of operation
+-------------------
+A family is named by its *framing* (the string `Session.tool_framing` holds). `detect`
+reads the template's text, as llama.cpp's ``common/chat.cpp`` does, and names the family;
+Qwen's two framings (``hermes``, ``qwen3_coder``) are still told apart by rendering a
+sample call (`chatparse.detect_framing`), and stay with `chatparse.OutputParser`.
+
+Every other family is a small sans-I/O module with ``parse(text, partial, tools,
+starts_in_reasoning) -> ParseView`` over the whole output so far, and a grammar for a
+forced call (`grammar_calls`). `ReparseParser` gives those the streaming interface of
+`OutputParser`: each piece re-reads the whole text; in a partial read a tail that could
+still grow into a marker is held back and a call's arguments show only what is settled,
+so each view extends the one before and the last one is the whole parse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..chatmarkup import HERMES, QWEN3_CODER, THINK_CLOSE, THINK_OPEN, JsonObject
+from ..chatparse import OutputParser, ParseView
+from . import generic, glm, harmony, json_calls
+
+Parse = Callable[[str, bool, "list[JsonObject] | None", bool], ParseView]
+
+GPT_OSS = "gpt_oss"
+GLM45 = "glm45"
+LLAMA3 = "llama3"
+MISTRAL = "mistral"
+DEEPSEEK_V31 = "deepseek_v31"
+DEEPSEEK_R1 = "deepseek_r1"
+KIMI_K2 = "kimi_k2"
+GENERIC = "generic"
+
+
+@dataclass(frozen=True)
+class Family:
+    framing: str
+    label: str                              # what /api/info and the load line say
+    parse: Parse | None                     # None: chatparse.OutputParser reads it
+    think: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)
+    triggers: tuple[str, ...] = ()          # words that open a call (lazy grammar)
+
+
+FAMILIES: dict[str, Family] = {f.framing: f for f in [
+    Family(HERMES, "Hermes (Qwen3)", None, triggers=("<tool_call>",)),
+    Family(QWEN3_CODER, "Qwen3-Coder XML", None, triggers=("<tool_call>",)),
+    Family(GPT_OSS, "GPT-OSS Harmony", harmony.parse, ("<|channel|>analysis<|message|>", "<|end|>"),
+           triggers=(" to=functions.", "<|channel|>commentary to=")),
+    Family(GLM45, "GLM-4.5", glm.parse, triggers=("<tool_call>",)),
+    Family(LLAMA3, "Llama 3.x", json_calls.parse_llama3, triggers=("<|python_tag|>", '{"name"')),
+    Family(MISTRAL, "Mistral", json_calls.parse_mistral, ("[THINK]", "[/THINK]"),
+           triggers=("[TOOL_CALLS]",)),
+    Family(DEEPSEEK_V31, "DeepSeek V3.1", json_calls.parse_deepseek_v31,
+           triggers=("<｜tool▁calls▁begin｜>",)),
+    Family(DEEPSEEK_R1, "DeepSeek R1", json_calls.parse_deepseek_r1,
+           triggers=("<｜tool▁calls▁begin｜>",)),
+    Family(KIMI_K2, "Kimi K2", json_calls.parse_kimi, triggers=("<|tool_calls_section_begin|>",)),
+    Family(GENERIC, "Generic JSON", generic.parse),
+]}
+
+
+def detect(template: str) -> str | None:
+    """The family a template's text names (its framing), or None for Qwen's two or none.
+
+    None means: ask `chatparse.detect_framing` (a rendered sample call), and fall back
+    to ``generic`` when that finds nothing either.
+    """
+    if not template:
+        return None
+    if "<|channel|>" in template:
+        return GPT_OSS
+    if "<|tool_calls_section_begin|>" in template and "<|tool_call_begin|>" in template:
+        return KIMI_K2
+    if "<arg_key>" in template and "<role>ASSISTANT</role>" not in template:
+        return GLM45
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<｜tool▁calls▁begin｜>" in template:
+        return DEEPSEEK_V31 if "<｜tool▁call▁begin｜>'+ tool['function']['name']" in template \
+            or "tool▁sep｜>' + tool['function']['arguments']" in template \
+            else DEEPSEEK_R1 if "```json" in template else DEEPSEEK_V31
+    if "<tool_call>" in template:
+        return None                          # Qwen: the rendered probe decides
+    if "<|start_header_id|>" in template and "<function=" not in template and (
+            "<|python_tag|>" in template
+                                               or '"parameters": ' in template):
+        return LLAMA3
+    return None
+
+
+def family(framing: str | None) -> Family | None:
+    return FAMILIES.get(framing) if framing else None
+
+
+def label(framing: str | None) -> str:
+    fam = family(framing)
+    return fam.label if fam is not None else "none"
+
+
+def reasoning_markers(framing: str | None) -> tuple[str, str]:
+    fam = family(framing)
+    return fam.think if fam is not None else (THINK_OPEN, THINK_CLOSE)
+
+
+def ends_inside_reasoning(framing: str | None, prompt_text: str) -> bool:
+    """Whether the generation prompt leaves the family's reasoning span open."""
+    opener, closer = reasoning_markers(framing)
+    if framing == GPT_OSS:
+        return False
+    i = prompt_text.rfind(opener)
+    return i >= 0 and prompt_text.find(closer, i) < 0
+
+
+class ReparseParser:
+    """`OutputParser`'s interface over a family's whole-text ``parse``."""
+
+    def __init__(self, parse: Parse, starts_in_reasoning: bool,
+                 tools: list[JsonObject] | None) -> None:
+        self._parse = parse
+        self._starts = starts_in_reasoning
+        self._tools = tools
+        self._raw = ""
+        self._final: ParseView | None = None
+
+    def feed(self, text: str) -> None:
+        if self._final is not None:
+            raise RuntimeError("feed() after finish()")
+        self._raw += text
+
+    def snapshot(self) -> ParseView:
+        if self._final is not None:
+            return self._final
+        return self._parse(self._raw, True, self._tools, self._starts)
+
+    def finish(self) -> ParseView:
+        if self._final is None:
+            view = self._parse(self._raw, False, self._tools, self._starts)
+            if not (view.reasoning or view.content or view.tool_calls) and self._raw.strip():
+                view = ParseView(content=self._raw.strip(), fallback_raw=True)
+            self._final = view
+        return self._final
+
+
+def output_parser(framing: str | None, starts_in_reasoning: bool = False,
+                  tools: list[JsonObject] | None = None, model_family: str | None = None) -> Any:
+    """The streaming parser for a turn: ``framing`` when tools were offered (None: no
+    calls); ``model_family`` (the session's) still reads its reasoning and channels."""
+    fam = family(framing)
+    if fam is not None and fam.parse is not None:
+        return ReparseParser(fam.parse, starts_in_reasoning, tools)
+    own = family(model_family)
+    if framing is None and own is not None and own.parse is not None and own.framing != GENERIC:
+        return ReparseParser(_without_calls(own.parse), starts_in_reasoning, None)
+    return OutputParser(framing, starts_in_reasoning, tools)
+
+
+def _without_calls(parse: Parse) -> Parse:
+    def read(text: str, partial: bool, tools: list[JsonObject] | None, starts: bool) -> ParseView:
+        view = parse(text, partial, tools, starts)
+        return ParseView(view.reasoning, view.content) if view.tool_calls else view
+    return read

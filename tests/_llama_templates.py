@@ -1,0 +1,45 @@
+"""The real chat templates of the pinned llama-cpp-python sdist, fetched once into the
+user's cache (never committed): ``pip download llama-cpp-python==0.3.36 --no-binary :all:``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+SDIST_VERSION = "0.3.36"
+_MEMBER = "vendor/llama.cpp/models/templates/"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "bmoe-tests"
+
+
+def templates_dir() -> Path:
+    """The folder of ``*.jinja`` templates, downloading and extracting the sdist if needed."""
+    out = cache_dir() / f"llama-templates-{SDIST_VERSION}"
+    if (out / "openai-gpt-oss-120b.jinja").exists():
+        return out
+    sdist = cache_dir() / "sdist"
+    tarballs = sorted(sdist.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
+    if not tarballs:
+        subprocess.run([sys.executable, "-m", "pip", "download",
+                        f"llama-cpp-python=={SDIST_VERSION}", "--no-binary", ":all:",
+                        "--no-deps", "-d", str(sdist)], check=True, timeout=1800)
+        tarballs = sorted(sdist.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarballs[0]) as tar:
+        for member in tar.getmembers():
+            name = member.name.split("/", 1)[-1]
+            if name.startswith(_MEMBER) and name.endswith(".jinja") and member.isfile():
+                data = tar.extractfile(member)
+                assert data is not None
+                (out / Path(name).name).write_bytes(data.read())
+    return out
+
+
+def read_template(name: str) -> str:
+    return (templates_dir() / name).read_text(encoding="utf-8")

@@ -1,0 +1,291 @@
+"""The chat-format families against llama.cpp's own templates and expected parses.
+
+Templates: the pinned llama-cpp-python sdist's ``models/templates`` (`_llama_templates`).
+Cases: representative expected parses of llama.cpp's ``tests/test-chat.cpp``, as data.
+Fuzz: each case and generated outputs split at random boundaries parse the same streamed
+and whole, with no markup in any streamed piece of content or reasoning.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from _llama_templates import read_template
+from bmoe.engine import families
+from bmoe.engine import grammar as gbnf
+from bmoe.engine.chatparse import ChatDeltaStream
+from bmoe.engine.families import output_parser
+from bmoe.engine.grammar_guard import check_grammar
+from bmoe.engine.templating import ChatTemplate
+
+DETECTED = {
+    "openai-gpt-oss-120b.jinja": "gpt_oss",
+    "GLM-4.6.jinja": "glm45",
+    "GLM-4.7-Flash.jinja": "glm45",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3",
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama3",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
+    "unsloth-mistral-Devstral-Small-2507.jinja": "mistral",
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral",
+    "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek_v31",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "deepseek_r1",
+    "llama-cpp-deepseek-r1.jinja": "deepseek_r1",
+    "moonshotai-Kimi-K2.jinja": "kimi_k2",
+    "Kimi-K2-Instruct.jinja": "kimi_k2",
+    "Kimi-K2-Thinking.jinja": "kimi_k2",
+    # Qwen's two are told apart by a rendered call (chatparse.detect_framing)
+    "Qwen-Qwen3-0.6B.jinja": None,
+    "Qwen3-Coder.jinja": None,
+}
+
+
+@pytest.mark.parametrize("name,framing", sorted(DETECTED.items()))
+def test_detected_from_the_real_template(name: str, framing: str | None) -> None:
+    assert families.detect(read_template(name)) == framing
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "special_function", "description": "I'm special",
+    "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}},
+                   "required": ["arg1"]}}}]
+CALL = {"id": "call00000", "type": "function",
+        "function": {"name": "special_function", "arguments": {"arg1": 1}}}
+
+
+def _conversation(reasoning_key: str) -> list[dict]:
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Call it."},
+        {"role": "assistant", "content": "", reasoning_key: "I should call it.",
+         "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call00000", "name": "special_function", "content": "42"},
+        {"role": "assistant", "content": "It said 42.", reasoning_key: "It answered."},
+        {"role": "user", "content": "Thanks."},
+    ]
+
+
+RENDER = ["openai-gpt-oss-120b.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja",
+          "meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.3-70B-Instruct.jinja",
+          "mistralai-Mistral-Nemo-Instruct-2407.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
+          "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "deepseek-ai-DeepSeek-V3.1.jinja",
+          "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "moonshotai-Kimi-K2.jinja",
+          "Kimi-K2-Thinking.jinja"]
+
+
+@pytest.mark.parametrize("name", RENDER)
+def test_renders_tools_results_and_reasoning(name: str) -> None:
+    text = read_template(name)
+    tmpl = ChatTemplate(text, bos_token="<s>", eos_token="</s>")
+    key = "thinking" if families.detect(text) == "gpt_oss" else "reasoning_content"
+    out = tmpl.render(_conversation(key), tools=TOOLS, extra={"reasoning_effort": "high"})
+    assert "special_function" in out and "42" in out and "Thanks." in out
+    if name.startswith("openai-gpt-oss"):
+        assert "Reasoning: high" in out
+        assert "to=functions.special_function" in out
+        assert out.endswith("<|start|>assistant")
+
+
+# (framing, output, starts_in_reasoning, reasoning, content, [(name, arguments)])
+CASES = [
+    # gpt-oss (test-chat.cpp "GPT-OSS format tests")
+    ("gpt_oss", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "",
+     "Hello, world!\nWhat's up?", []),
+    ("gpt_oss", "<|channel|>commentary<|message|>Hello, world!\nWhat's up?", False, "",
+     "Hello, world!\nWhat's up?", []),
+    ("gpt_oss", "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>"
+     "final<|message|>Hello, world!\nWhat's up?", False, "I'm\nthinking",
+     "Hello, world!\nWhat's up?", []),
+    ("gpt_oss", " to=functions.special_function<|channel|>analysis<|message|>{\"arg1\": 1}",
+     False, "", "", [("special_function", {"arg1": 1})]),
+    ("gpt_oss", "<|channel|>analysis to=functions.special_function<|message|>{\"arg1\": 1}",
+     False, "", "", [("special_function", {"arg1": 1})]),
+    ("gpt_oss", " to=functions.special_function<|channel|>analysis <|constrain|>json<|message|>"
+     "{\"arg1\": 1}", False, "", "", [("special_function", {"arg1": 1})]),
+    ("gpt_oss", "<|channel|>commentary to=functions.special_function<|message|>{\"arg1\": 1}",
+     False, "", "", [("special_function", {"arg1": 1})]),
+    ("gpt_oss", "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant to=functions."
+     "special_function<|channel|>analysis<|message|>{\"arg1\": 1}", False, "I'm\nthinking", "",
+     [("special_function", {"arg1": 1})]),
+    ("gpt_oss", "<|channel|>analysis<|message|>Thinking about edit...<|end|><|start|>assistant"
+     "<|channel|>commentary to=functions.edit <|constrain|>json<|message|>{\"oldString\": \"if "
+     "(part < railCount - 1) {\", \"newString\": \"if (part < 4) {\", \"replaceAll\": false}"
+     "<|call|>", False, "Thinking about edit...", "",
+     [("edit", {"oldString": "if (part < railCount - 1) {", "newString": "if (part < 4) {",
+                "replaceAll": False})]),
+    ("gpt_oss", "<|channel|>analysis<|message|>I will execute python to say hello<|end|>"
+     "<|start|>assistant to=container.exec<|channel|>commentary<|message|>python3 -c 'print(1)'",
+     False, "I will execute python to say hello", "", []),
+    ("gpt_oss", "<|channel|>commentary to=assistant<|channel|>analysis<|message|>I'm\nthinking"
+     "<|end|><|start|>assistant<|channel|>final<|message|>Hello, world!\nWhat's up?", False,
+     "I'm\nthinking", "Hello, world!\nWhat's up?", []),
+    ("gpt_oss", "<|channel|>commentary to=functions.a<|constrain|>json<|message|>{\"x\": \"<|\"}"
+     "<|call|><|start|>assistant<|channel|>commentary to=functions.b<|message|>{}<|call|>",
+     False, "", "", [("a", {"x": "<|"}), ("b", {})]),
+    # GLM-4.6 / 4.7-Flash
+    ("glm45", "<tool_call>special_function\n<arg_key>arg1</arg_key>\n<arg_value>1</arg_value>\n"
+     "</tool_call>", False, "", "", [("special_function", {"arg1": 1})]),
+    ("glm45", "Hello, world!\nWhat's up?", False, "", "Hello, world!\nWhat's up?", []),
+    ("glm45", "I'm\nthinking</think>Hello, world!\nWhat's up?", True, "I'm\nthinking",
+     "Hello, world!\nWhat's up?", []),
+    ("glm45", "<tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value>"
+     "</tool_call>", False, "", "", [("special_function", {"arg1": 1})]),
+    ("glm45", "I'm\nthinking</think><tool_call>special_function<arg_key>arg1</arg_key><arg_value>1"
+     "</arg_value></tool_call>", True, "I'm\nthinking", "", [("special_function", {"arg1": 1})]),
+    ("glm45", "<tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value>"
+     "</tool_call><tool_call>special_function_with_opt<arg_key>arg1</arg_key><arg_value>1"
+     "</arg_value><arg_key>arg2</arg_key><arg_value>2</arg_value></tool_call>", False, "", "",
+     [("special_function", {"arg1": 1}), ("special_function_with_opt", {"arg1": 1, "arg2": 2})]),
+    ("glm45", "Let me read the diff content.</think><tool_call>read_file_diff_md</tool_call>",
+     True, "Let me read the diff content.", "", [("read_file_diff_md", {})]),
+    ("glm45", "<think>plan</think>Sure.<tool_call>write\n<arg_key>path</arg_key>\n<arg_value>a.txt"
+     "</arg_value>\n<arg_key>text</arg_key>\n<arg_value>x < y\n</arg_value>\n</tool_call>", False,
+     "plan", "Sure.", [("write", {"path": "a.txt", "text": "x < y\n"})]),
+    # Llama 3.x
+    ("llama3", "Hello, world!\nWhat's up?", False, "", "Hello, world!\nWhat's up?", []),
+    ("llama3", "{\"name\": \"special_function\", \"parameters\": {\"arg1\": 1}}", False, "", "",
+     [("special_function", {"arg1": 1})]),
+    ("llama3", "<|python_tag|>{\"name\": \"special_function\", \"parameters\": {\"arg1\": 1}}",
+     False, "", "", [("special_function", {"arg1": 1})]),
+    # Mistral / Devstral / Ministral
+    ("mistral", "Hello, world!\nWhat's up?", False, "", "Hello, world!\nWhat's up?", []),
+    ("mistral", "[TOOL_CALLS]special_function[ARGS]{\"arg1\": 1}", False, "", "",
+     [("special_function", {"arg1": 1})]),
+    ("mistral", "Hello, world!\nWhat's up?[TOOL_CALLS]special_function[ARGS]{\"arg1\": 1}", False,
+     "", "Hello, world!\nWhat's up?", [("special_function", {"arg1": 1})]),
+    ("mistral", "[TOOL_CALLS]special_function[CALL_ID]000000001[ARGS]{\"arg1\": 1}[TOOL_CALLS]"
+     "special_function_with_opt[CALL_ID]000000002[ARGS]{\"arg1\": 1, \"arg2\": 2}", False, "",
+     "", [("special_function", {"arg1": 1}), ("special_function_with_opt", {"arg1": 1, "arg2": 2})]),
+    ("mistral", "[TOOL_CALLS][{\"name\": \"special_function\", \"arguments\": {\"arg1\": 1}, "
+     "\"id\": \"123456789\"}]", False, "", "", [("special_function", {"arg1": 1})]),
+    ("mistral", "[THINK]I'm\nthinking[/THINK]Hello, world!\nWhat's up?", False, "I'm\nthinking",
+     "Hello, world!\nWhat's up?", []),
+    # DeepSeek V3.1 / R1
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"city\": "
+     "\"XYZCITY\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>", False, "", "",
+     [("get_time", {"city": "XYZCITY"})]),
+    ("deepseek_v31", "I'm\nthinking</think>Hello, world!\nWhat's up?", True, "I'm\nthinking",
+     "Hello, world!\nWhat's up?", []),
+    ("deepseek_r1", "<think>I'm\nthinking</think>Hello, world!\nWhat's up?", False,
+     "I'm\nthinking", "Hello, world!\nWhat's up?", []),
+    ("deepseek_r1", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function"
+     "\n```json\n{\"arg1\": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", False, "", "",
+     [("special_function", {"arg1": 1})]),
+    # Kimi K2
+    ("kimi_k2", "Hello, world!\nWhat's up?", False, "", "Hello, world!\nWhat's up?", []),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.special_function:0"
+     "<|tool_call_argument_begin|>{\"arg1\": 1}<|tool_call_end|><|tool_calls_section_end|>",
+     False, "", "", [("special_function", {"arg1": 1})]),
+    ("kimi_k2", "<think>I'm\nthinking</think><|tool_calls_section_begin|><|tool_call_begin|>"
+     "functions.special_function:0<|tool_call_argument_begin|>{\"arg1\": 1}<|tool_call_end|>"
+     "<|tool_call_begin|>functions.special_function:1<|tool_call_argument_begin|>{\"arg1\": 2}"
+     "<|tool_call_end|><|tool_calls_section_end|>", False, "I'm\nthinking", "",
+     [("special_function", {"arg1": 1}), ("special_function", {"arg1": 2})]),
+    # generic JSON (unknown templates)
+    ("generic", "{\"tool_calls\": [{\"name\": \"special_function\", \"arguments\": {\"arg1\": 1}}]}",
+     False, "", "", [("special_function", {"arg1": 1})]),
+    ("generic", "{\"response\": \"Hello, world!\\nWhat's up?\"}", False, "",
+     "Hello, world!\nWhat's up?", []),
+    ("generic", "Hello, world!\nWhat's up?", False, "", "Hello, world!\nWhat's up?", []),
+]
+
+MARKUP = {
+    "gpt_oss": ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|call|>", "<|constrain|>",
+                "to=functions"],
+    "glm45": ["<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>", "<think>", "</think>"],
+    "llama3": ["<|python_tag|>", '{"name"'],
+    "mistral": ["[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]", "[CALL_ID]"],
+    "deepseek_v31": ["<｜tool▁", "<think>", "</think>"],
+    "deepseek_r1": ["<｜tool▁", "<think>", "</think>", "```json"],
+    "kimi_k2": ["<|tool_call", "<think>", "</think>"],
+    "generic": ['{"tool_calls"', '{"response"'],
+}
+TOOLS_ANY = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("special_function", "special_function_with_opt", "edit", "a", "b",
+                       "get_time", "read_file_diff_md", "write")]
+
+
+def _whole(framing: str, text: str, starts: bool):
+    parser = output_parser(framing, starts, TOOLS_ANY)
+    parser.feed(text)
+    return parser.finish()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_ported_case(case: tuple) -> None:
+    framing, text, starts, reasoning, content, calls = case
+    view = _whole(framing, text, starts)
+    assert view.reasoning == reasoning
+    assert view.content == content
+    assert [(c.name, json.loads(c.arguments_text)) for c in view.tool_calls] == calls
+    assert all(c.complete for c in view.tool_calls)
+
+
+def _streamed(framing: str, text: str, starts: bool, rng: random.Random):
+    parser = output_parser(framing, starts, TOOLS_ANY)
+    deltas = ChatDeltaStream()
+    sent: list[dict] = []
+    i = 0
+    while i < len(text):
+        j = min(len(text), i + rng.choice([1, 1, 2, 3, 5, 8, 13]))
+        parser.feed(text[i:j])
+        sent += deltas.update(parser.snapshot())
+        i = j
+    view = parser.finish()
+    sent += deltas.finish(view)
+    return view, sent
+
+
+def _outputs(framing: str, rng: random.Random) -> list[tuple[str, bool]]:
+    """The family's cases, and each with content and a second call spliced around it."""
+    out = [(c[1], c[2]) for c in CASES if c[0] == framing]
+    return out
+
+
+FUZZ_RUNS = 300
+
+
+@pytest.mark.parametrize("framing", sorted(MARKUP))
+def test_streamed_equals_whole_and_no_markup_leaks(framing: str) -> None:
+    rng = random.Random(framing)
+    outputs = _outputs(framing, rng)
+    for run in range(FUZZ_RUNS):
+        text, starts = outputs[run % len(outputs)]
+        whole = _whole(framing, text, starts)
+        view, sent = _streamed(framing, text, starts, rng)
+        assert view == whole
+        assert not any(d.get("reset") for d in sent), (text, sent)
+        content = "".join(d.get("content", "") for d in sent)
+        reasoning = "".join(d.get("reasoning_content", "") for d in sent)
+        assert content == whole.content and reasoning == whole.reasoning
+        for piece in (content, reasoning):
+            assert not [m for m in MARKUP[framing] if m in piece], (framing, text, piece)
+        args = {}
+        for d in sent:
+            for c in d.get("tool_calls", []):
+                args[c["index"]] = args.get(c["index"], "") + c["function"]["arguments"]
+        assert [args[i] for i in sorted(args)] == [c.arguments_text for c in whole.tool_calls]
+
+
+@pytest.mark.parametrize("framing", ["gpt_oss", "glm45", "llama3", "mistral", "deepseek_v31",
+                                     "deepseek_r1", "kimi_k2", "generic"])
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_forced_call_grammar_is_valid_gbnf(framing: str, reasoning: bool) -> None:
+    tools = TOOLS + [{"type": "function", "function": {"name": "write", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["path"]}}}]
+    text = gbnf.tool_call_grammar(framing, tools, allow_reasoning=reasoning, parallel=True)
+    check_grammar(text)
+    assert "special_function" in text and "write" in text
+
+
+def test_lazy_triggers_are_the_familys_markers() -> None:
+    from bmoe.engine.turn import _lazy_call_grammar
+    lazy = _lazy_call_grammar("glm45", TOOLS)
+    assert lazy is not None and lazy.triggers == ["<tool_call>"]
+    lazy = _lazy_call_grammar("kimi_k2", TOOLS)
+    assert lazy is not None and lazy.triggers == ["<|tool_calls_section_begin|>"]
