@@ -76,8 +76,13 @@ def _glm_call(conv: Any, rule: str, name: str, params: dict[str, Any]) -> str:
     for i, key in enumerate(required + optional):
         schema = conv.deref(properties[key])
         types = g.schema_types(schema)
-        value = "bmoe-arg-text" if not types or "string" in types \
-            else conv.visit(properties[key], f"{rule}-p{i}")
+        enum = schema.get("enum") if types == frozenset({"string"}) else None
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            value = "( " + " | ".join(g.gbnf_literal(v) for v in enum) + " )"
+        elif not types or "string" in types:
+            value = "bmoe-arg-text"            # raw text, as GLM writes a string
+        else:
+            value = conv.visit(properties[key], f"{rule}-p{i}")
         conv._rules[f"bmoe-{rule}-p{i}"] = " ".join([
             g.gbnf_literal(f"<arg_key>{key}</arg_key>\n<arg_value>"), value,
             g.gbnf_literal("</arg_value>\n")])

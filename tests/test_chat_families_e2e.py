@@ -1,0 +1,72 @@
+"""Grammar-forced calls in a family's own syntax through the real engine and server.
+
+The tiny model the project makes is served with the real gpt-oss and GLM-4.6 templates
+of the pinned sdist (``--chat-template-file``): `tool_choice` required on
+/v1/chat/completions and "any" on /v1/messages must come back as structured calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from _llama_templates import templates_dir
+from conftest import ServerProcess, start_server
+
+TOOL_PARAMS = {"type": "object", "properties": {"city": {"type": "string",
+                                                          "enum": ["Paris", "Rome"]}},
+               "required": ["city"], "additionalProperties": False}
+FAMILIES = {"gpt_oss": "openai-gpt-oss-120b.jinja", "glm45": "GLM-4.6.jinja"}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                  tiny_moe: Path) -> Iterator[tuple[str, ServerProcess]]:
+    framing = request.param
+    data = tmp_path_factory.mktemp(f"family-{framing}")
+    template = templates_dir() / FAMILIES[framing]
+    srv = start_server(data, "-m", str(tiny_moe), "-c", "4096",
+                       "--chat-template-file", str(template))
+    assert srv.info()["state"] == "ready", srv.info()
+    yield framing, srv
+    srv.stop()
+
+
+def test_the_format_is_reported(family_server: tuple[str, ServerProcess]) -> None:
+    framing, srv = family_server
+    assert srv.info()["model"]["chat_format"] == framing
+    status, _, props = srv.request("GET", "/props")
+    assert status == 200 and props["chat_format"] == framing
+
+
+def test_required_call_on_chat_completions(family_server: tuple[str, ServerProcess]) -> None:
+    _, srv = family_server
+    status, _, body = srv.request("POST", "/v1/chat/completions", {
+        "model": "x", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 120,
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                    "parameters": TOOL_PARAMS}}],
+        "tool_choice": "required", "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200, body
+    msg = body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls", msg
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"]
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+    assert not msg.get("content")
+
+
+def test_any_call_on_messages(family_server: tuple[str, ServerProcess]) -> None:
+    _, srv = family_server
+    status, _, body = srv.request("POST", "/v1/messages", {
+        "model": "x", "max_tokens": 120, "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"name": "get_weather", "input_schema": TOOL_PARAMS}],
+        "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"}})
+    assert status == 200, body
+    uses = [b for b in body["content"] if b["type"] == "tool_use"]
+    assert body["stop_reason"] == "tool_use", body
+    assert len(uses) == 1 and uses[0]["name"] == "get_weather"
+    assert uses[0]["input"]["city"] in ("Paris", "Rome")
+    assert not [b for b in body["content"] if b["type"] == "text" and b["text"].strip()]
