@@ -38,6 +38,8 @@ DETECTED = {
     "moonshotai-Kimi-K2.jinja": "kimi_k2",
     "Kimi-K2-Instruct.jinja": "kimi_k2",
     "Kimi-K2-Thinking.jinja": "kimi_k2",
+    "MiniMax-M2.jinja": "minimax_m2",
+    "MiniMax-M3.jinja": None,
     # Qwen's two are told apart by a rendered call (chatparse.detect_framing)
     "Qwen-Qwen3-0.6B.jinja": None,
     "Qwen3-Coder.jinja": None,
@@ -74,7 +76,7 @@ RENDER = ["openai-gpt-oss-120b.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja",
           "mistralai-Mistral-Nemo-Instruct-2407.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
           "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "deepseek-ai-DeepSeek-V3.1.jinja",
           "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "moonshotai-Kimi-K2.jinja",
-          "Kimi-K2-Thinking.jinja"]
+          "Kimi-K2-Thinking.jinja", "MiniMax-M2.jinja"]
 
 
 @pytest.mark.parametrize("name", RENDER)
@@ -185,6 +187,19 @@ CASES = [
      "<|tool_call_begin|>functions.special_function:1<|tool_call_argument_begin|>{\"arg1\": 2}"
      "<|tool_call_end|><|tool_calls_section_end|>", False, "I'm\nthinking", "",
      [("special_function", {"arg1": 1}), ("special_function", {"arg1": 2})]),
+    # MiniMax-M2 (the prompt leaves <think> open)
+    ("minimax_m2", "\n</think>\n\nHello, world!\nWhat's up?", True, "",
+     "Hello, world!\nWhat's up?", []),
+    ("minimax_m2", "I'm\nthinking\n</think>\n\nHello, world!\nWhat's up?", True, "I'm\nthinking",
+     "Hello, world!\nWhat's up?", []),
+    ("minimax_m2", "Let's call a tool:\n</think>\n\n<minimax:tool_call>\n<invoke name=\"empty_args\">"
+     "\n</invoke>\n</minimax:tool_call>", True, "Let's call a tool:", "", [("empty_args", {})]),
+    ("minimax_m2", "\n</think>\n\n<minimax:tool_call>\n<invoke name=\"special_function\">\n<parameter "
+     "name=\"arg1\">1</parameter>\n</invoke>\n</minimax:tool_call>", True, "", "",
+     [("special_function", {"arg1": 1})]),
+    ("minimax_m2", "<minimax:tool_call>\n<invoke name=\"a\">\n<parameter name=\"x\">two\nlines"
+     "</parameter>\n</invoke>\n<invoke name=\"b\">\n</invoke>\n</minimax:tool_call>", False, "", "",
+     [("a", {"x": "two\nlines"}), ("b", {})]),
     # generic JSON (unknown templates)
     ("generic", "{\"tool_calls\": [{\"name\": \"special_function\", \"arguments\": {\"arg1\": 1}}]}",
      False, "", "", [("special_function", {"arg1": 1})]),
@@ -202,11 +217,12 @@ MARKUP = {
     "deepseek_v31": ["<｜tool▁", "<think>", "</think>"],
     "deepseek_r1": ["<｜tool▁", "<think>", "</think>", "```json"],
     "kimi_k2": ["<|tool_call", "<think>", "</think>"],
+    "minimax_m2": ["<minimax:", "<invoke", "<parameter", "</think>"],
     "generic": ['{"tool_calls"', '{"response"'],
 }
 TOOLS_ANY = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
              for n in ("special_function", "special_function_with_opt", "edit", "a", "b",
-                       "get_time", "read_file_diff_md", "write")]
+                       "get_time", "read_file_diff_md", "write", "empty_args")]
 
 
 def _whole(framing: str, text: str, starts: bool):
@@ -246,7 +262,7 @@ def _outputs(framing: str, rng: random.Random) -> list[tuple[str, bool]]:
     return out
 
 
-FUZZ_RUNS = 300
+FUZZ_RUNS = 500
 
 
 @pytest.mark.parametrize("framing", sorted(MARKUP))
@@ -272,7 +288,7 @@ def test_streamed_equals_whole_and_no_markup_leaks(framing: str) -> None:
 
 
 @pytest.mark.parametrize("framing", ["gpt_oss", "glm45", "llama3", "mistral", "deepseek_v31",
-                                     "deepseek_r1", "kimi_k2", "generic"])
+                                     "deepseek_r1", "kimi_k2", "minimax_m2", "generic"])
 @pytest.mark.parametrize("reasoning", [False, True])
 def test_forced_call_grammar_is_valid_gbnf(framing: str, reasoning: bool) -> None:
     tools = TOOLS + [{"type": "function", "function": {"name": "write", "parameters": {

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..chatmarkup import HERMES, QWEN3_CODER, THINK_CLOSE, THINK_OPEN, JsonObject
 from ..chatparse import OutputParser, ParseView
-from . import generic, glm, harmony, json_calls
+from . import generic, glm, harmony, json_calls, minimax
 
 Parse = Callable[[str, bool, "list[JsonObject] | None", bool], ParseView]
 
@@ -34,6 +34,7 @@ MISTRAL = "mistral"
 DEEPSEEK_V31 = "deepseek_v31"
 DEEPSEEK_R1 = "deepseek_r1"
 KIMI_K2 = "kimi_k2"
+MINIMAX_M2 = "minimax_m2"
 GENERIC = "generic"
 
 
@@ -60,6 +61,7 @@ FAMILIES: dict[str, Family] = {f.framing: f for f in [
     Family(DEEPSEEK_R1, "DeepSeek R1", json_calls.parse_deepseek_r1,
            triggers=("<｜tool▁calls▁begin｜>",)),
     Family(KIMI_K2, "Kimi K2", json_calls.parse_kimi, triggers=("<|tool_calls_section_begin|>",)),
+    Family(MINIMAX_M2, "MiniMax-M2", minimax.parse, triggers=("<minimax:tool_call>",)),
     Family(GENERIC, "Generic JSON", generic.parse),
 ]}
 
@@ -78,6 +80,9 @@ def detect(template: str) -> str | None:
         return KIMI_K2
     if "<arg_key>" in template and "<role>ASSISTANT</role>" not in template:
         return GLM45
+    if "<minimax:tool_call>" in template and '<invoke name=' in template \
+            and "]<]minimax[>[" not in template:
+        return MINIMAX_M2
     if "[TOOL_CALLS]" in template:
         return MISTRAL
     if "<｜tool▁calls▁begin｜>" in template:

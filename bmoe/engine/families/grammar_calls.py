@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 from .. import grammar as g
-from . import GENERIC, GLM45, GPT_OSS, KIMI_K2, LLAMA3, MISTRAL, DEEPSEEK_V31, DEEPSEEK_R1
+from . import DEEPSEEK_R1, DEEPSEEK_V31, GENERIC, GLM45, GPT_OSS, KIMI_K2, LLAMA3, MINIMAX_M2, MISTRAL
 from .json_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP
 
 
@@ -40,8 +40,8 @@ def family_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reas
     for i, (name, params) in enumerate(functions):
         with g._explained(g.tool_where(i, name)):
             params = conv.resolve_refs(copy.deepcopy(params), f"tool{i}")
-            if framing == GLM45:
-                bodies.append(_glm_call(conv, f"tool{i}", name, conv.deref(params)))
+            if framing in (GLM45, MINIMAX_M2):
+                bodies.append(_xml_call(conv, framing, f"tool{i}", name, conv.deref(params)))
                 continue
             before, after = _json_family(framing, name)
             args = conv.visit(params, f"tool{i}")
@@ -50,7 +50,7 @@ def family_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reas
     rules = conv._rules
     rules["bmoe-call"] = "( " + " | ".join(bodies) + " )"
     rules["bmoe-gap"] = g.GAP_RULE
-    more = " ( bmoe-gap bmoe-call )*" if parallel and framing == GLM45 else ""
+    more = " ( bmoe-gap bmoe-call )*" if parallel and framing in (GLM45, MINIMAX_M2) else ""
     rules["root"] = f"{_prefix(framing, rules, allow_reasoning, starts_in_reasoning)}bmoe-call{more}"
     return g._format(conv, "tools")
 
@@ -67,11 +67,20 @@ def _prefix(framing: str, rules: dict[str, str], allow: bool, starts_inside: boo
     return g._reasoning_prefix(rules, allow, starts_inside)
 
 
-def _glm_call(conv: Any, rule: str, name: str, params: dict[str, Any]) -> str:
+_XML = {  # framing: (call open, parameter open, parameter close, call close)
+    GLM45: ("<tool_call>{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n",
+            "</tool_call>"),
+    MINIMAX_M2: ('<minimax:tool_call>\n<invoke name="{name}">\n', '<parameter name="{key}">',
+                 "</parameter>\n", "</invoke>\n</minimax:tool_call>"),
+}
+
+
+def _xml_call(conv: Any, framing: str, rule: str, name: str, params: dict[str, Any]) -> str:
+    call_open, param_open, param_close, call_close = _XML[framing]
     properties = params.get("properties") or {}
     required = [k for k in properties if k in set(params.get("required") or [])]
     optional = [k for k in properties if k not in required]
-    conv._rules.update(g.text_without("bmoe-arg-text", ["</arg_value>"]))
+    conv._rules.update(g.text_without("bmoe-arg-text", [param_close.strip()]))
     parts = []
     for i, key in enumerate(required + optional):
         schema = conv.deref(properties[key])
@@ -84,9 +93,8 @@ def _glm_call(conv: Any, rule: str, name: str, params: dict[str, Any]) -> str:
         else:
             value = conv.visit(properties[key], f"{rule}-p{i}")
         conv._rules[f"bmoe-{rule}-p{i}"] = " ".join([
-            g.gbnf_literal(f"<arg_key>{key}</arg_key>\n<arg_value>"), value,
-            g.gbnf_literal("</arg_value>\n")])
+            g.gbnf_literal(param_open.format(key=key)), value, g.gbnf_literal(param_close)])
         parts.append(f"bmoe-{rule}-p{i}" + ("" if key in required else "?"))
     conv._rules[f"bmoe-{rule}"] = " ".join(
-        [g.gbnf_literal(f"<tool_call>{name}\n"), *parts, g.gbnf_literal("</tool_call>")])
+        [g.gbnf_literal(call_open.format(name=name)), *parts, g.gbnf_literal(call_close)])
     return f"bmoe-{rule}"
