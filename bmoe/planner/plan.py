@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import params
+from ..engine.experts.budget import batch_layer_bytes, edge_bytes, estimate_compute, shape_of
 from .probes import GIB, MIB, ComputeFacts, MemoryFacts, ModelFacts, StorageFacts
 from .routing import RoutingRecord, cost_key, default_hit_rate, policy_hit_rate
 
@@ -38,7 +39,13 @@ CTX_ADVICE = 16384             # the spec's ctx advice (RunConfig::ctx_for_clien
 CTX_MAX_PLANNED = 65536        # the plan grows the context no further on its own
 CTX_KV_SHARE = 0.10            # ... and only while its KV takes at most this of memory
 CTX_STEP = 1024
-RUNTIME_RESERVE = 128 * MIB    # what a load adds beyond the weights: compute buffers, the streamer
+# What a load adds beyond the weights, the KV cache and a prompt batch's needs (below):
+# llama.cpp's model and context structures and the streamer's own state (measured in
+# bmoe-server: 12-20 MiB for 12- and 24-layer MoEs), and the runtime margin the engine's
+# own check at load leaves beside the cache (`budget.RUNTIME_MARGIN`, 32 MiB). It must
+# cover both, or a planned cache-mb is refused at load.
+RUNTIME_RESERVE = 64 * MIB
+N_UBATCH = 512                 # tokens of one prefill batch: the session's PREFILL_CHUNK
 # The streamer's cost per MoE layer and token beside the matmuls and the reads: the graph
 # callback, the cache's admission, the compute threads resumed after the layer's reads.
 # Measured with bench/plan_accuracy.py on the 12-layer benchmark MoE (2 cores): the time
@@ -206,6 +213,7 @@ class _Builder:
         self.p = inp.facts.probe
         self.decisions: list[Decision] = []
         self.values: dict[str, Any] = {}
+        self.batch = prompt_batch(inp.facts)
 
     def user(self, key: str) -> bool:
         return key in self.inp.user_keys
@@ -236,6 +244,44 @@ def _is_note(knob: str) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class PromptBatch:
+    """What a prompt batch of `N_UBATCH` tokens takes beside the weights and the KV cache
+    (the engine measures the same at load: `bmoe/engine/experts/budget.py`)."""
+
+    compute: int        # llama.cpp's compute buffer, estimated from the shape (no context)
+    mask_tok: int       # ... and what each context token adds to it (the attention mask)
+    layer: int          # the experts the batch can route one layer to, held at once
+    edges: int          # the expert slices' edge pages
+
+    @property
+    def streamed(self) -> int:
+        """Beside the expert cache when the experts stream, without the mask."""
+        return self.compute + self.edges
+
+
+def prompt_batch(facts: ModelFacts) -> PromptBatch:
+    p = facts.probe
+    shape = shape_of(facts.kv, facts.tensors)
+    if not shape.n_embd:
+        shape = type(shape)(p.n_embd, shape.n_ff_exp, p.n_expert_used, shape.n_vocab)
+    experts = facts.expert_tensors()
+    units: dict[str, int] = {}
+    for t in experts:
+        layer = t.name.split(".")[1] if t.name.startswith("blk.") else t.name
+        units[layer] = units.get(layer, 0) + t.nbytes // max(1, p.n_expert)
+    if not units and p.n_moe_layer and p.n_expert:       # no tensor list: the average
+        units = {"all": p.expert_bytes // (p.n_moe_layer * p.n_expert)}
+    layer_bytes = batch_layer_bytes(list(units.values()), p.n_expert, p.n_expert_used,
+                                    N_UBATCH) if p.is_moe else 0
+    if experts:
+        edges = edge_bytes((facts.data_start + t.offset, t.nbytes // max(1, p.n_expert),
+                            p.n_expert) for t in experts)
+    else:                       # one page shared by each pair of neighbouring slices
+        edges = 3 * p.n_moe_layer * (p.n_expert + 1) * 4096 if p.is_moe else 0
+    return PromptBatch(estimate_compute(shape, N_UBATCH, 0), 2 * N_UBATCH, layer_bytes, edges)
+
+
 def make_plan(inp: PlanInputs) -> Plan:
     b = _Builder(inp)
     p, mem = b.p, inp.memory
@@ -245,10 +291,10 @@ def make_plan(inp: PlanInputs) -> Plan:
     whole = p.dense_bytes + p.expert_bytes or inp.facts.size
     stream_ok = p.is_moe and p.streamable
     regime, ctx = _regime(b, budget, leave, kv_tok, whole, stream_ok)
-    cache = _cache_bytes(b, regime, budget, leave, kv_tok * ctx)
+    cache = _cache_bytes(b, regime, budget, leave, kv_tok * ctx, ctx)
     _decide_knobs(b, regime, ctx, cache, kv_tok, budget, leave)
     predicted = _predict(b, regime, cache, budget, whole)
-    pools = _ledger(b, regime, cache, kv_tok * ctx, budget)
+    pools = _ledger(b, regime, cache, kv_tok * ctx, budget, ctx)
     floor = stream_floor(p) if stream_ok else whole
     sentence = _sentence(regime, cache, floor, budget, p.is_moe)
     b.decisions.insert(0, Decision("regime", "notes", regime, value_text("regime", regime),
@@ -281,16 +327,18 @@ def _leave(inp: PlanInputs) -> int:
 
 def _regime(b: _Builder, budget: int, leave: int, kv_tok: int, whole: int,
             stream_ok: bool) -> tuple[str, int]:
-    p = b.p
+    p, batch = b.p, b.batch
     want_ctx = _ctx_wanted(b)
     ctx_min = min(want_ctx, CTX_ADVICE)
     user_stream = b.inp.values.get("moe-stream") if b.user("moe-stream") else None
-    if budget and whole + kv_tok * ctx_min + RUNTIME_RESERVE + leave <= budget \
-            and user_stream is not True:
-        return "resident", _ctx_fit(b, budget - whole - RUNTIME_RESERVE - leave, kv_tok,
-                                    budget)
+    kv_tok += batch.mask_tok          # a context token costs its KV and its batch mask
+    fixed = whole + RUNTIME_RESERVE + batch.compute
+    if budget and fixed + kv_tok * ctx_min + leave <= budget and user_stream is not True:
+        return "resident", _ctx_fit(b, budget - fixed - leave, kv_tok, budget)
     if stream_ok and user_stream is not False:
-        room = budget - p.dense_bytes - p.token_cycle_bytes - RUNTIME_RESERVE
+        # the experts hold at least one token cycle, and a batch's layer set at once
+        experts = max(p.token_cycle_bytes, batch.layer)
+        room = budget - p.dense_bytes - experts - RUNTIME_RESERVE - batch.streamed
         if budget and room - leave >= kv_tok * ctx_min:
             return "experts-stream", _ctx_fit(b, room - leave, kv_tok, budget, stream=True)
         if budget and room >= kv_tok * CTX_STEP:
@@ -328,17 +376,22 @@ def _ctx_fit(b: _Builder, room: int, kv_tok: int, budget: int, stream: bool = Fa
     return ctx
 
 
-def _cache_bytes(b: _Builder, regime: str, budget: int, leave: int, kv: int) -> int:
-    p = b.p
+def _cache_bytes(b: _Builder, regime: str, budget: int, leave: int, kv: int, ctx: int) -> int:
+    """The cache: what is left after the dense weights, the context (its KV and its batch
+    mask), the runtime and a prompt batch's compute buffer and edge pages. A cache below
+    a batch's layer set is fine (the set is then held beside it: the ledger's prompt-batch
+    row), as long as that set fits where the cache would be."""
+    p, batch = b.p, b.batch
     if regime != "experts-stream":
         return 0
     if b.user("cache-mb"):
         raw = b.inp.values.get("cache-mb")
         return p.expert_bytes if raw == "auto" else int(raw or 0) * MIB
-    room = budget - p.dense_bytes - kv - RUNTIME_RESERVE
+    room = (budget - p.dense_bytes - kv - batch.mask_tok * ctx - RUNTIME_RESERVE
+            - batch.streamed)
     if not budget:
         return p.token_cycle_bytes
-    if room - leave >= p.token_cycle_bytes:
+    if room - leave >= max(p.token_cycle_bytes, batch.layer):
         room -= leave
     return max(p.token_cycle_bytes, min(p.expert_bytes, room))
 
@@ -364,9 +417,13 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
                   "and the runtime.",
                   f"This process may hold {size_text(budget)}; the dense weights take "
                   f"{size_text(p.dense_bytes)}, the context's KV cache "
-                  f"{size_text(kv_tok * ctx)}, the runtime {size_text(RUNTIME_RESERVE)}"
+                  f"{size_text(kv_tok * ctx)}, the runtime {size_text(RUNTIME_RESERVE)}, "
+                  f"a prompt batch of {N_UBATCH} tokens "
+                  f"{size_text(_batch_beside(b, ctx))} (llama.cpp's compute buffer and the "
+                  "experts' edge pages)"
                   + (f", and {size_text(leave)} is left to other programs" if leave else "")
-                  + f". One token cycle is {size_text(p.token_cycle_bytes)} and all the "
+                  + f". One token cycle is {size_text(p.token_cycle_bytes)}, a batch's "
+                  f"experts of one layer {size_text(b.batch.layer)} and all the "
                   f"experts {size_text(p.expert_bytes)}.")
     trial = inp.trial
     if b.user("threads"):
@@ -579,15 +636,25 @@ def _batched_read_s(inp: PlanInputs, hit: float) -> float:
     return p.n_moe_layer * st.batch_seconds(reads)
 
 
-def _ledger(b: _Builder, regime: str, cache: int, kv: int, budget: int) -> list[dict[str, Any]]:
+def _batch_beside(b: _Builder, ctx: int) -> int:
+    """A prompt batch's compute buffer (its mask for `ctx` tokens included) and edge pages."""
+    return b.batch.streamed + b.batch.mask_tok * ctx
+
+
+def _ledger(b: _Builder, regime: str, cache: int, kv: int, budget: int,
+            ctx: int) -> list[dict[str, Any]]:
     p = b.p
     rows = []
     if regime == "resident":
         rows.append(("model", "Model", p.dense_bytes + p.expert_bytes))
+        rows.append(("batch", "Prompt batch", b.batch.compute + b.batch.mask_tok * ctx))
     else:
         rows.append(("dense", "Dense", p.dense_bytes))
     if cache:
         rows.append(("cache", "Expert cache", cache))
+        # a batch's layer set beyond the cache is held beside it while that layer runs
+        rows.append(("batch", "Prompt batch",
+                     _batch_beside(b, ctx) + max(0, b.batch.layer - cache)))
     rows.append(("kv", "Context", kv))
     rows.append(("runtime", "Runtime", RUNTIME_RESERVE))
     held = sum(r[2] for r in rows)

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.cgroup import cgroup_memory as read_cgroup_memory
 from ..models.probe import Header, ModelProbe, TensorInfo, Unreadable, read_file_header
 from ..models.verdict import mem_available, memory_total
 
 MIB = 1 << 20
 GIB = 1 << 30
 ALIGN = 4096
-NO_LIMIT = 1 << 60                 # cgroup v1 writes "no limit" as a number near 2^63
 STORAGE_SECONDS_PER_LANE = 0.24    # each lane count reads for this long, over the rounds
 STORAGE_ROUNDS = 3                 # lane counts and batch sizes are measured in this many
                                    # interleaved rounds: a disk whose rate drifts within
@@ -178,69 +178,10 @@ def probe_memory(loaded_held: int = 0) -> MemoryFacts:
 
 
 def cgroup_memory() -> tuple[int | None, int | None]:
-    """(limit, headroom) of this process's memory cgroup, the tightest up to the root."""
-    for line in _read("/proc/self/cgroup").splitlines():
-        hier, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if "memory" in controllers.split(","):
-            return _v1(Path("/sys/fs/cgroup/memory") / path.lstrip("/"))
-        if hier == "0" and controllers == "":
-            found = _v2(Path("/sys/fs/cgroup") / path.lstrip("/"))
-            if found[0] is not None:
-                return found
-    return None, None
-
-
-def _read(path: str | Path) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def _file_bytes(stat_text: str, keys: tuple[str, ...]) -> int:
-    total = 0
-    for line in stat_text.splitlines():
-        k, _, v = line.partition(" ")
-        if k in keys and v.strip().isdigit():
-            total += int(v)
-    return total
-
-
-def _v1(group: Path) -> tuple[int | None, int | None]:
-    root = Path("/sys/fs/cgroup/memory")
-    limit: int | None = None
-    room: int | None = None
-    g = group
-    while True:
-        raw, used = _read(g / "memory.limit_in_bytes").strip(), _read(
-            g / "memory.usage_in_bytes").strip()
-        if raw.isdigit() and used.isdigit() and int(raw) < NO_LIMIT:
-            file = _file_bytes(_read(g / "memory.stat"),
-                               ("total_inactive_file", "total_active_file"))
-            here = int(raw) - max(0, int(used) - file)
-            limit = int(raw) if limit is None else min(limit, int(raw))
-            room = here if room is None else min(room, here)
-        if g == g.parent or g == root or not str(g).startswith(str(root)):
-            return limit, room
-        g = g.parent
-
-
-def _v2(group: Path) -> tuple[int | None, int | None]:
-    limit: int | None = None
-    room: int | None = None
-    g = group
-    root = Path("/sys/fs/cgroup")
-    while True:
-        raw, used = _read(g / "memory.max").strip(), _read(g / "memory.current").strip()
-        if raw.isdigit() and used.isdigit():
-            file = _file_bytes(_read(g / "memory.stat"), ("file",))
-            here = int(raw) - max(0, int(used) - file)
-            limit = int(raw) if limit is None else min(limit, int(raw))
-            room = here if room is None else min(room, here)
-        if g == root or g == g.parent:
-            return limit, room
-        g = g.parent
+    """(limit, headroom) of this process's memory cgroup: the tightest level up to the root,
+    read by the one reader the expert cache's budget uses too (`bmoe.engine.cgroup`)."""
+    cg = read_cgroup_memory()
+    return (cg.limit, cg.headroom) if cg is not None else (None, None)
 
 
 # --- storage --------------------------------------------------------------------------------

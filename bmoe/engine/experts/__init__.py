@@ -10,8 +10,9 @@ Modules: `layout` (the GGUF header: where the experts are), `ggml` (the ctypes m
 `struct ggml_tensor`), `memory` (anonymous buffers, llama.cpp's file mapping),
 `nopopulate` (a load that reads no experts), `reader` (O_DIRECT reads over parallel
 lanes, and their priority queue), `cache` (the numpy cache and its policies), `predict`
-(the next layers' guesses), `budget` (cache-mb and auto), `streamer` (the session's
-Streamer).
+(the next layers' guesses), `budget` (cache-mb and auto, and what a prompt batch needs
+beside the cache), `allocs` (llama.cpp's buffer sizes, heard from its log), `streamer`
+(the session's Streamer).
 """
 
 from __future__ import annotations

@@ -44,7 +44,10 @@ Policies (`policy`):
 
 `NoCache` is `cache-mb 0`: every routed expert is read every time, into the same place;
 what the layer used last time and does not use now is released, so the memory held is
-about one token cycle.
+about one token cycle. A prompt batch routes a layer to most of its experts: then the
+other layers' sets are released too, as far as needed to hold no more than one token
+cycle or that layer's set, whichever is larger (without that, a prefill left every layer
+holding all of its experts: the whole model).
 """
 
 from __future__ import annotations
@@ -294,11 +297,13 @@ class ExpertCache:
 
 
 class NoCache:
-    """`cache-mb 0`: read every routed expert every time, into the same slots."""
+    """`cache-mb 0`: read every routed expert every time, into the same slots; hold at
+    most max(`bound` bytes, the current layer's set)."""
 
-    def __init__(self, n_layer: int, unit_bytes: np.ndarray) -> None:
+    def __init__(self, n_layer: int, unit_bytes: np.ndarray, bound: int = 0) -> None:
         self.unit_bytes = np.asarray(unit_bytes, dtype=np.int64)
         self.last: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(n_layer)]
+        self.bound = int(bound)
         self.resident_bytes = 0
         self.misses = 0
 
@@ -308,7 +313,16 @@ class NoCache:
         self.resident_bytes += int(self.unit_bytes[layer]) * (len(ids) - len(self.last[layer]))
         self.last[layer] = ids
         self.misses += len(ids)
-        return Admission(misses=ids, victims=[(layer, int(e)) for e in stale])
+        victims = [(layer, int(e)) for e in stale]
+        limit = max(self.bound, int(self.unit_bytes[layer]) * len(ids))
+        others = sorted((i for i in range(len(self.last)) if i != layer and len(self.last[i])),
+                        key=lambda i: -int(self.unit_bytes[i]) * len(self.last[i]))
+        for other in others:         # the largest sets first: a batch's layers
+            if self.resident_bytes <= limit:
+                break
+            victims += [(other, int(e)) for e in self.last[other]]
+            self.forget(other)
+        return Admission(misses=ids, victims=victims)
 
     def forget(self, layer: int) -> None:
         """The last reads of `layer` failed: nothing of it is held."""

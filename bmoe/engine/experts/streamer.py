@@ -10,8 +10,10 @@ extra (repacking) buffer types off, so that weights keep the file's layout:
 2. the expert pages of llama.cpp's file mapping are dropped (they were populated by the
    load and are never read again); with `dense-weights anon` the dense pages are
    replaced in place by anonymous copies, so page-cache pressure cannot evict them;
-3. the cache budget is resolved (`budget.resolve`), and with `load-all` every expert is
-   read now.
+3. the cache budget is resolved (`budget.resolve`) against what a prompt batch needs
+   beside it — llama.cpp's compute buffer for a ubatch (its own figure, heard from its
+   log while the context was made: `allocs.py`), the one layer's experts a batch can
+   route to, the edge pages — and with `load-all` every expert is read now.
 
 During every graph evaluation llama.cpp calls the graph callback for each node, first to
 ask whether we want its data, then (for the nodes we said yes to) with the data computed.
@@ -70,7 +72,18 @@ import llama_cpp as lc
 import numpy as np
 
 from . import evalcb, ggml, nopopulate
-from .budget import MIB, Budget, resolve
+from .allocs import ContextAllocs, LogTap
+from .budget import (
+    MIB,
+    RUNTIME_MARGIN,
+    Budget,
+    PromptNeeds,
+    batch_layer_bytes,
+    edge_bytes,
+    estimate_compute,
+    resolve,
+    shape_of,
+)
 from .cache import DEFAULT_POLICY, Admission, ExpertCache, NoCache
 from .predict import Predictor, read_routers, router_input
 from .layout import ExpertTensor, Layout
@@ -92,6 +105,7 @@ from .reader import FRESH, ExpertReader, LaneQueue, Read, ReadGroup
 
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
+PREFILL_BATCH = 512          # the session's PREFILL_CHUNK: tokens per ubatch at most
 FILL_PRIO = 1 << 20          # a background fill's reads: after every token's and guess's
 _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
 
@@ -162,6 +176,9 @@ class ExpertStreamer:
         self._folded_hits = 0             # of the C side's resident_hits
         self._rec_rows: np.ndarray | None = None   # the C side's routing rows, while resident
         self.load_info: dict[str, Any] = {}
+        self.n_ubatch = 0                 # the context's, from configure_context_params
+        self.n_ctx = 0
+        self._tap: LogTap | None = None   # hears llama.cpp's buffer sizes while it makes one
 
     def keep_layers_below(self, first_remote: int) -> bool:
         """Stream only the experts of layers below `first_remote` (the ones after it are
@@ -188,6 +205,7 @@ class ExpertStreamer:
     # -- Streamer protocol: loading ---------------------------------------------------
 
     def configure_model_params(self, params: Any) -> None:
+        self._check_before_load()
         ggml.check_layout()
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP
         params.use_extra_bufts = False
@@ -197,6 +215,10 @@ class ExpertStreamer:
         self.load_info["load_reads"] = "dense weights only" if not why else why
 
     def configure_context_params(self, params: Any) -> None:
+        self.n_ubatch = int(params.n_ubatch or params.n_batch or 0)
+        self.n_ctx = int(params.n_ctx or 0)
+        self._tap = LogTap()
+        self._tap.start()
         why = "python: forced by BMOE_EVAL_CALLBACK=python" if evalcb.forced_python() else ""
         if not why:
             try:
@@ -216,6 +238,7 @@ class ExpertStreamer:
 
     def attach(self, model: Any, ctx: Any) -> None:
         t0 = time.monotonic()
+        allocs = self._end_tap()
         self._end_load()
         assert self._probe is not None, "configure_model_params was not called"
         self.mapping = self._probe.find()
@@ -226,13 +249,15 @@ class ExpertStreamer:
             os.close(fd)
         held = self.layout.dense_bytes if self.dense_mode == "mmap" else 0
         cycle, total = self.layout.token_cycle_bytes, self.layout.expert_bytes
-        self.budget = resolve(self.values, token_cycle=cycle, all_bytes=total, extra_held=held)
+        self.budget = resolve(self.values, token_cycle=cycle, all_bytes=total, extra_held=held,
+                              needs=self.prompt_needs(allocs))
+        self.load_info["prompt_needs"] = _needs_info(self.budget)
         self._make_buffers()
         self._expert_bytes = self.layout.expert_bytes
         self._layer_ids = list(self.layout.layers)      # the layers streamed here
         unit = np.array([self.layout.unit_bytes(i) for i in range(self.layout.n_layer)])
         policy = str(self.values.get("cache-policy") or DEFAULT_POLICY)
-        self.cache = (NoCache(self.layout.n_layer, unit) if self.budget.bytes == 0
+        self.cache = (NoCache(self.layout.n_layer, unit, cycle) if self.budget.bytes == 0
                       else ExpertCache(unit, self.layout.n_expert, self.budget.bytes, policy))
         self.reader = ExpertReader(str(self.path), int(self.values.get("io-threads", 4) or 1),
                                    bool(self.values.get("o-direct", True)))
@@ -258,6 +283,45 @@ class ExpertStreamer:
                 and self.budget.bytes >= self._expert_bytes):
             self._start_fill()
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
+
+    def prompt_needs(self, allocs: ContextAllocs) -> PromptNeeds:
+        """What a prompt batch needs beside the cache (budget.py): llama.cpp's compute
+        buffer as it reported it (else estimated from the model's shape), the experts one
+        ubatch can route a layer to (plus what read-ahead may have in flight), the edge
+        pages of every slice."""
+        lay = self.layout
+        n_ub = self.n_ubatch or 1
+        compute, source = allocs.compute, "llama.cpp"
+        if compute is None:
+            from ...models.probe import read_file_header
+            header = read_file_header(self.path)
+            compute = estimate_compute(shape_of(header.kv, header.tensors), n_ub, self.n_ctx)
+            source = "estimate"
+        units = [lay.unit_bytes(layer) for layer in lay.layers]
+        layer = batch_layer_bytes(units, lay.n_expert, lay.n_expert_used, n_ub)
+        layer += self.prefetch * lay.n_expert_used * max(units, default=0)
+        edges = edge_bytes((t.offset, t.slice_bytes, t.n_expert) for t in lay.experts)
+        return PromptNeeds(n_ub, compute, source, layer, edges, RUNTIME_MARGIN, allocs.kv)
+
+    def _check_before_load(self) -> None:
+        """Refuse, before llama.cpp reads anything, a budget that cannot fit even without
+        what only the context will tell (its KV cache and compute buffer): the dense
+        weights' copies, the experts at a batch's peak, the edge pages, the margin."""
+        lay = self.layout
+        n_ub = min(int(self.values.get("ctx-size") or 4096), PREFILL_BATCH)
+        units = [lay.unit_bytes(layer) for layer in lay.layers]
+        needs = PromptNeeds(n_ub, 0, "", batch_layer_bytes(units, lay.n_expert,
+                                                            lay.n_expert_used, n_ub),
+                            edge_bytes((t.offset, t.slice_bytes, t.n_expert)
+                                       for t in lay.experts), RUNTIME_MARGIN)
+        copies = lay.dense_bytes if self.dense_mode == "anon" else 0
+        held = lay.dense_bytes if self.dense_mode == "mmap" else 0
+        resolve(self.values, token_cycle=lay.token_cycle_bytes, all_bytes=lay.expert_bytes,
+                extra_held=held, needs=needs, will_load=copies)
+
+    def _end_tap(self) -> ContextAllocs:
+        tap, self._tap = self._tap, None
+        return tap.stop() if tap is not None else ContextAllocs()
 
     def _start_fill(self) -> None:
         """Every expert fits the cache: queue them all on the lanes at the lowest priority.
@@ -865,6 +929,7 @@ class ExpertStreamer:
             self._populating = False
 
     def close(self) -> None:
+        self._end_tap()
         self._end_load()
         self.queue = None
         if self.reader is not None:
@@ -874,6 +939,15 @@ class ExpertStreamer:
             buf.close()
         self._buffers.clear()
         self._by_layer.clear()
+
+
+def _needs_info(b: Budget) -> dict[str, Any]:
+    n = b.needs
+    return {"n_ubatch": n.n_ubatch, "compute_mib": round(n.compute / MIB, 2),
+            "compute_source": n.compute_source, "batch_layer_mib": round(n.batch_layer / MIB, 1),
+            "edges_mib": round(n.edges / MIB, 1), "runtime_mib": round(n.runtime / MIB, 1),
+            "kv_mib": round(n.kv / MIB, 1) if n.kv is not None else None,
+            "available_mib": round(b.available / MIB, 1), "peak_mib": round(b.peak / MIB, 1)}
 
 
 def _pct(a: int, b: int) -> float:
