@@ -71,6 +71,15 @@ def _conversation(reasoning_key: str) -> list[dict]:
     ]
 
 
+def test_gpt_oss_replays_reasoning_from_reasoning_content() -> None:
+    tmpl = ChatTemplate(read_template("openai-gpt-oss-120b.jinja"))
+    # mid-loop (the last message a tool result): the call's reasoning is replayed
+    messages = families.template_messages("gpt_oss", _conversation("reasoning_content")[:4])
+    out = tmpl.render(messages, tools=TOOLS)
+    assert "<|channel|>analysis<|message|>I should call it.<|end|>" in out
+    assert "to=functions.special_function" in out
+
+
 RENDER = ["openai-gpt-oss-120b.jinja", "GLM-4.6.jinja", "GLM-4.7-Flash.jinja",
           "meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.3-70B-Instruct.jinja",
           "mistralai-Mistral-Nemo-Instruct-2407.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",

@@ -70,3 +70,39 @@ def test_any_call_on_messages(family_server: tuple[str, ServerProcess]) -> None:
     assert len(uses) == 1 and uses[0]["name"] == "get_weather"
     assert uses[0]["input"]["city"] in ("Paris", "Rome")
     assert not [b for b in body["content"] if b["type"] == "text" and b["text"].strip()]
+
+
+def _events(payload: bytes) -> list[dict]:
+    out = []
+    for line in payload.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: "):]))
+    return out
+
+
+MARKUP = ["<|", "|>", "<tool_call>", "<arg_", "</", "to=functions"]
+
+
+def test_streamed_required_call_and_free_text(family_server: tuple[str, ServerProcess]) -> None:
+    """Streamed: the call comes as tool_call deltas whose pieces join to the arguments, and
+    a free answer (auto, no tools) shows no markup in any content or reasoning delta."""
+    _, srv = family_server
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL_PARAMS}}]
+    status, _, payload = srv.request("POST", "/v1/chat/completions", {
+        "model": "x", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 120,
+        "stream": True, "tools": tools, "tool_choice": "required",
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200
+    deltas = [c["choices"][0]["delta"] for c in _events(payload) if c.get("choices")]
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert calls and calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
+    args = "".join(tc["function"].get("arguments") or "" for tc in calls)
+    assert json.loads(args)["city"] in ("Paris", "Rome")
+    assert not "".join(d.get("content") or "" for d in deltas).strip()
+    status, _, payload = srv.request("POST", "/v1/chat/completions", {
+        "model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24,
+        "stream": True})
+    assert status == 200
+    for d in (c["choices"][0]["delta"] for c in _events(payload) if c.get("choices")):
+        for piece in (d.get("content") or "", d.get("reasoning_content") or ""):
+            assert not [m for m in MARKUP if m in piece], piece

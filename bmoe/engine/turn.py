@@ -100,7 +100,8 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
     if req.raw_prompt is not None:
         return _prepare_raw(session, req, req.raw_prompt)
     try:
-        text = session.render(req.messages, tools=req.offered_tools(), enable_thinking=req.think,
+        messages = families.template_messages(session.tool_framing, req.messages)
+        text = session.render(messages, tools=req.offered_tools(), enable_thinking=req.think,
                               extra=req.template_kwargs or None)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e

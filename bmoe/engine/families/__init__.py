@@ -98,6 +98,22 @@ def detect(template: str) -> str | None:
     return None
 
 
+def template_messages(framing: str | None, messages: list[JsonObject]) -> list[JsonObject]:
+    """The conversation as the family's template reads it. gpt-oss reads replayed
+    reasoning from ``thinking`` (and refuses it beside content on a message with calls),
+    so ``reasoning_content`` is copied there, as llama.cpp does."""
+    if framing != GPT_OSS:
+        return messages
+    out = []
+    for msg in messages:
+        if isinstance(msg, dict) and isinstance(msg.get("reasoning_content"), str):
+            msg = {**msg, "thinking": msg["reasoning_content"]}
+            if msg.get("tool_calls"):
+                msg.pop("content", None)
+        out.append(msg)
+    return out
+
+
 def family(framing: str | None) -> Family | None:
     return FAMILIES.get(framing) if framing else None
 
