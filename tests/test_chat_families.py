@@ -314,3 +314,102 @@ def test_lazy_triggers_are_the_familys_markers() -> None:
     assert lazy is not None and lazy.triggers == ["<tool_call>"]
     lazy = _lazy_call_grammar("kimi_k2", TOOLS)
     assert lazy is not None and lazy.triggers == ["<|tool_calls_section_begin|>"]
+
+
+# -- generated outputs: each family writes random reasoning, content and calls ----------
+
+_ALPHABET = "ab x<|>{}\"\n:é[]/\\'"
+FUZZ_TOOLS = [{"type": "function", "function": {"name": n, "parameters": {
+    "type": "object", "properties": {"k1": {"type": "string"}, "k2": {"type": "string"}}}}}
+    for n in ("f", "g_2")]
+
+
+def _text(rng: random.Random, lead: str = "a") -> str:
+    body = "".join(rng.choice(_ALPHABET) for _ in range(rng.randrange(0, 24)))
+    return (lead + body + "a").strip()
+
+
+def _xml_pairs(args: dict, key_open: str, key_close: str, value_close: str) -> str:
+    return "".join(f"{key_open}{k}{key_close}{v}{value_close}" for k, v in args.items())
+
+
+def _write(framing: str, r: str, c: str, calls: list[tuple[str, dict]]) -> tuple[str, bool]:
+    j = [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
+    if framing == "gpt_oss":
+        out = f"<|channel|>analysis<|message|>{r}<|end|><|start|>assistant" if r else ""
+        if c and not calls:
+            return out + f"<|channel|>final<|message|>{c}<|return|>", False
+        if c:
+            out += f"<|channel|>commentary<|message|>{c}<|end|><|start|>assistant"
+        return out + "<|start|>assistant".join(
+            f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>{a}<|call|>"
+            for n, a in j), False
+    if framing == "glm45":
+        return (f"{r}</think>{c}" + "".join(
+            f"<tool_call>{n}\n" + _xml_pairs(a, "<arg_key>", "</arg_key>\n<arg_value>",
+                                             "</arg_value>\n") + "</tool_call>"
+            for n, a in calls)), True
+    if framing == "minimax_m2":
+        return (f"{r}\n</think>\n\n{c}" + ("<minimax:tool_call>\n" + "".join(
+            f'<invoke name="{n}">\n' + _xml_pairs(a, '<parameter name="', '">', "</parameter>\n")
+            + "</invoke>\n" for n, a in calls) + "</minimax:tool_call>" if calls else "")), True
+    if framing == "mistral":
+        return ((f"[THINK]{r}[/THINK]" if r else "") + c
+                + "".join(f"[TOOL_CALLS]{n}[ARGS]{a}" for n, a in j)), False
+    if framing == "deepseek_v31":
+        return (f"{r}</think>{c}" + ("<｜tool▁calls▁begin｜>" + "".join(
+            f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{a}<｜tool▁call▁end｜>" for n, a in j)
+            + "<｜tool▁calls▁end｜>" if calls else "")), True
+    if framing == "deepseek_r1":
+        return ((f"<think>{r}</think>" if r else "") + c + ("<｜tool▁calls▁begin｜>" + "".join(
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{a}\n```<｜tool▁call▁end｜>"
+            for n, a in j) + "<｜tool▁calls▁end｜>" if calls else "")), False
+    if framing == "kimi_k2":
+        return ((f"<think>{r}</think>" if r else "") + c + ("<|tool_calls_section_begin|>" + "".join(
+            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{a}<|tool_call_end|>"
+            for i, (n, a) in enumerate(j)) + "<|tool_calls_section_end|>" if calls else "")), False
+    if framing == "llama3":
+        if calls:
+            return "<|python_tag|>" + "; ".join(
+                json.dumps({"name": n, "parameters": a}) for n, a in calls), False
+        return c, False
+    assert framing == "generic"
+    if calls:
+        return json.dumps({"tool_calls": [{"name": n, "arguments": a} for n, a in calls]}), False
+    return json.dumps({"response": c}), False
+
+
+GENERATED = {"gpt_oss": 600, "glm45": 600, "minimax_m2": 300, "mistral": 300,
+             "deepseek_v31": 300, "deepseek_r1": 300, "kimi_k2": 300, "llama3": 200,
+             "generic": 200}
+
+
+@pytest.mark.parametrize("framing", sorted(GENERATED))
+def test_generated_outputs_parse_back_streamed_and_whole(framing: str) -> None:
+    rng = random.Random("gen-" + framing)
+    no_reasoning = framing in ("llama3", "generic")
+    for _ in range(GENERATED[framing]):
+        r = "" if no_reasoning or rng.random() < 0.3 else _text(rng)
+        calls = [(rng.choice(["f", "g_2"]), {k: _text(rng) for k in rng.sample(["k1", "k2"],
+                                                                                 rng.randrange(3))})
+                 for _ in range(rng.choice([0, 1, 1, 2, 3]))]
+        c = "" if (calls and (framing in ("llama3", "generic") or rng.random() < 0.5)) \
+            else _text(rng)
+        text, starts = _write(framing, r, c, calls)
+        parser = output_parser(framing, starts, FUZZ_TOOLS)
+        deltas, sent, i = ChatDeltaStream(), [], 0
+        while i < len(text):
+            j = min(len(text), i + rng.choice([1, 2, 3, 4, 7, 11, 30]))
+            parser.feed(text[i:j])
+            sent += deltas.update(parser.snapshot())
+            i = j
+        view = parser.finish()
+        sent += deltas.finish(view)
+        assert (view.reasoning, view.content) == (r, c), text
+        assert [(t.name, json.loads(t.arguments_text)) for t in view.tool_calls] == calls, text
+        assert not any(d.get("reset") for d in sent), text
+        assert "".join(d.get("content", "") for d in sent) == c
+        assert "".join(d.get("reasoning_content", "") for d in sent) == r
+        whole = output_parser(framing, starts, FUZZ_TOOLS)
+        whole.feed(text)
+        assert whole.finish() == view
