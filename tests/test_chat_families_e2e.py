@@ -106,3 +106,25 @@ def test_streamed_required_call_and_free_text(family_server: tuple[str, ServerPr
     for d in (c["choices"][0]["delta"] for c in _events(payload) if c.get("choices")):
         for piece in (d.get("content") or "", d.get("reasoning_content") or ""):
             assert not [m for m in MARKUP if m in piece], piece
+
+
+def test_reasoning_effort_and_replayed_reasoning_reach_the_template(
+        family_server: tuple[str, ServerProcess]) -> None:
+    framing, srv = family_server
+    status, _, body = srv.request("POST", "/apply-template", {
+        "messages": [{"role": "user", "content": "Weather?"},
+                     {"role": "assistant", "content": "", "reasoning_content": "Look it up.",
+                      "tool_calls": [{"id": "call00000", "type": "function", "function": {
+                          "name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+                     {"role": "tool", "tool_call_id": "call00000", "content": "sunny"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                    "parameters": TOOL_PARAMS}}],
+        "reasoning_effort": "high"})
+    assert status == 200, body
+    prompt = body["prompt"]
+    if framing == "gpt_oss":
+        assert "Reasoning: high" in prompt
+        assert "<|channel|>analysis<|message|>Look it up.<|end|>" in prompt
+        assert "to=functions.get_weather" in prompt
+    else:
+        assert "<tool_call>get_weather" in prompt and "<arg_value>Rome</arg_value>" in prompt

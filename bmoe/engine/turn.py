@@ -99,12 +99,7 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
     """Render, tokenize, check the context and pick the grammar (engine thread)."""
     if req.raw_prompt is not None:
         return _prepare_raw(session, req, req.raw_prompt)
-    try:
-        messages = families.template_messages(session.tool_framing, req.messages)
-        text = session.render(messages, tools=req.offered_tools(), enable_thinking=req.think,
-                              extra=req.template_kwargs or None)
-    except TemplateError as e:
-        raise EngineError("template_rejected", str(e)) from e
+    text = render_prompt(session, req)
     tokens, cells, image_tokens = _prompt_tokens(session, text, req.images)
     if not tokens:
         raise EngineError("empty_prompt", "The conversation rendered to an empty prompt.")
@@ -121,6 +116,17 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
     steps = room if req.max_tokens <= 0 else min(req.max_tokens, room)
     return Prepared(text, tokens, starts, framing, grammar, steps, triggers, image_tokens,
                     session.tool_framing)
+
+
+def render_prompt(session: Session, req: TurnRequest) -> str:
+    """The conversation through the model's template as its family reads it (the prompt a
+    turn generates from, and what /apply-template shows)."""
+    messages = families.template_messages(session.tool_framing, req.messages)
+    try:
+        return session.render(messages, tools=req.offered_tools(), enable_thinking=req.think,
+                              extra=req.template_kwargs or None)
+    except TemplateError as e:
+        raise EngineError("template_rejected", str(e)) from e
 
 
 def _prompt_tokens(session: Session, text: str,

@@ -388,11 +388,8 @@ async def detokenize(state: ServerState, request: Request) -> Response:
 # -- chat prompts ------------------------------------------------------------------
 
 def _render(session: Session, req: Any, with_ids: bool) -> dict[str, Any]:
-    from ..engine.templating import TemplateError
-    try:
-        text = session.render(req.messages, tools=req.offered_tools(), enable_thinking=req.think)
-    except TemplateError as e:
-        raise EngineError("template_rejected", str(e)) from None
+    from ..engine.turn import render_prompt
+    text = render_prompt(session, req)
     out: dict[str, Any] = {"prompt": text}
     if with_ids:
         out["prompt_ids"] = session.tokenize(text)

@@ -7,6 +7,7 @@ import secrets
 import time
 from typing import Any, Callable
 
+from ..engine import families
 from ..engine.chatparse import random_call_ids
 from ..engine.errors import EngineError
 from ..engine.images import ImageSet
@@ -108,13 +109,9 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                       max_tokens=budget, think=think, schema=schema,
                       grammar=parsed.grammar or None,
                       parallel_calls=bool(parsed.parallel_tool_calls), images=images,
-                      template_kwargs=_effort(parsed.reasoning_effort))
+                      template_kwargs=families.effort_kwargs(parsed.reasoning_effort))
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
-
-def _effort(effort: str | None) -> dict[str, Any]:
-    """``reasoning_effort`` low / medium / high reaches the template (gpt-oss reads it)."""
-    return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else {}
 
 
 # -- response -----------------------------------------------------------------

@@ -31,6 +31,7 @@ import secrets
 import time
 from typing import Any
 
+from ..engine import families
 from ..engine.chatparse import BlockAppend, BlockClose, BlockOpen, ParseView
 from ..engine.errors import EngineError
 from ..engine.images import ImageSet
@@ -200,7 +201,8 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                       max_tokens=chatreq.budget(parsed.max_output_tokens, "max_output_tokens",
                                                 config.values),
                       think=chatreq.thinking(config.values, config.user_keys, effort=effort),
-                      schema=_text_schema(parsed.text), images=images)
+                      schema=_text_schema(parsed.text), images=images,
+                      template_kwargs=families.effort_kwargs(effort))
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 

@@ -114,6 +114,12 @@ def template_messages(framing: str | None, messages: list[JsonObject]) -> list[J
     return out
 
 
+def effort_kwargs(effort: str | None) -> dict[str, Any]:
+    """A request's reasoning effort as template variables: low / medium / high reach the
+    template as ``reasoning_effort`` (gpt-oss writes it into its system message)."""
+    return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else {}
+
+
 def family(framing: str | None) -> Family | None:
     return FAMILIES.get(framing) if framing else None
 
