@@ -595,11 +595,13 @@ def test_env_vars_read_as_flags_and_replaced_by_the_command_line() -> None:
            "LLAMA_ARG_HOST": "0.0.0.0", "LLAMA_ARG_N_GPU_LAYERS": "99",
            "LLAMA_ARG_FLASH_ATTN": "on", "HOME": "/x"}
     argv, lines = env_argv(["-c", "640"], env)
-    assert argv == ["-c", "640", "--api-key", "sekrit", "--model", "m.gguf"]
+    assert argv == ["-c", "640", "--api-key", "sekrit", "--flash-attn", "on", "--model",
+                    "m.gguf", "--n-gpu-layers", "99"]
     text = "\n".join(lines)
     assert "LLAMA_ARG_CTX_SIZE is replaced by the command line's --ctx-size" in text
     assert "LLAMA_ARG_HOST is not read" in text            # no variable widens the binding
-    assert "LLAMA_ARG_N_GPU_LAYERS is not used" in text and "LLAMA_ARG_FLASH_ATTN" in text
+    assert "LLAMA_ARG_N_GPU_LAYERS read as --n-gpu-layers 99" in text
+    assert "LLAMA_ARG_FLASH_ATTN read as --flash-attn on" in text
     assert "sekrit" not in text
     with pytest.raises(SystemExit, match="LLAMA_API_KEY"):
         env_argv([], {"LLAMA_API_KEY": " "})
@@ -633,10 +635,25 @@ def test_server_starts_from_llama_variables(tmp_path: Path, tiny_moe: Path) -> N
     assert "-ngl 99 has no effect" in text and KEY not in text
 
 
-def test_parallel_above_one_is_refused_by_name(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
-                          str(tmp_path), "-np", "2"], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--parallel 2 is refused" in out.stderr
+def test_parallel_is_taken_and_one_turn_runs_at_a_time(tmp_path: Path, tiny_moe: Path) -> None:
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as errf:
+        proc = subprocess.Popen([sys.executable, "-m", "bmoe.server", "--port", "0",
+                                 "--data-dir", str(tmp_path / "data"), "--threads", "1",
+                                 "--no-auto", "-m", str(tiny_moe), "-c", "512", "-np", "4"],
+                                stdout=subprocess.PIPE, stderr=errf, text=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        srv = ServerProcess(proc, line.split("listening on", 1)[1].strip(), tmp_path)
+        try:
+            srv.wait_state("ready")
+            assert srv.request("GET", "/props")[2]["total_slots"] == 1     # what is true
+            assert len(srv.request("GET", "/slots")[2]) == 1
+        finally:
+            srv.stop()
+    said = [x for x in err.read_text().splitlines() if "--parallel" in x]
+    assert said == ["bmoe-server: --parallel 4: this server serves one turn at a time; the "
+                    "others wait in line (/props total_slots is 1)."], said
 
 
 # -- compressed request bodies (the cap holds before and after decoding) -------------

@@ -21,12 +21,14 @@ JSON_TYPE: dict[str, type | tuple[type, ...]] = {
     "bool": bool, "int": int, "float": float, "path": str, "text": str, "choice": str}
 
 EXPECTED_ROWS = [
-    "model", "mmproj", "chat-template", "chat-template-file", "image-max-tokens", "n-predict", "think", "ctx-size", "threads",
-    "threads-batch", "trial-threads", "trial-overlap", "temp", "top-k", "top-p", "seed",
+    "model", "mmproj", "mmproj-auto", "chat-template", "chat-template-file", "image-max-tokens",
+    "n-predict", "think", "ctx-size", "threads", "threads-batch", "trial-threads",
+    "trial-overlap", "temp", "top-k", "top-p", "seed",
     "moe-stream", "io-threads", "o-direct", "huge-pages",
     "prefetch", "spec-gate", "overlap", "cache-mb", "cache-policy",
-    "cache-fill", "cache-floor-mb", "cache-ceil-mb", "dense-weights", "repack", "rpc", "rpc-layers", "force-cache", "load-all",
-    "decide"]
+    "cache-fill", "cache-floor-mb", "cache-ceil-mb", "dense-weights", "repack", "rpc",
+    "rpc-layers", "batch-size", "ubatch-size", "flash-attn", "cache-type-k", "cache-type-v",
+    "swa-full", "force-cache", "load-all", "decide"]
 
 
 def parser(server: bool = False) -> argparse.ArgumentParser:

@@ -40,6 +40,14 @@ SEED_RANDOM = 4294967295
 MAX_TOKENS = 1 << 20          # the ceiling of every token count (n-predict, ctx-size)
 MAX_THREADS = 256
 MAX_TEMPLATE_CHARS = 1 << 20    # a chat template's text (real ones are ~40 KiB)
+PROMPT_BATCH = 512              # tokens of one prompt batch by default (llama.cpp's ubatch)
+MAX_BATCH = 16384               # the most tokens of one prompt batch: its compute buffer grows
+                                # with it (at a 150k vocabulary, 0.6 MiB a token for logits)
+KV_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+KV_FLOAT_TYPES = ("f16", "f32", "bf16")   # the others are quantized
+# llama.cpp's spellings of on / off / auto (common/arg.cpp is_truthy, is_falsey, is_autoy)
+ON_OFF_AUTO = (("enabled", "on"), ("true", "on"), ("1", "on"), ("disabled", "off"),
+               ("false", "off"), ("0", "off"), ("-1", "auto"))
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class Param:
     accepts_auto: bool = False
     group_read_only: bool = False
     launch_only: bool = False           # names a file or host: set at launch, refused over the API
+    env: str | None = None              # llama-server's LLAMA_ARG_* variable for the flag
+    synonyms: tuple[tuple[str, str], ...] = ()   # other spellings of a choice: (word, value)
 
     def default_for(self, server: bool) -> Any:
         if server and self.server_default is not None:
@@ -128,6 +138,9 @@ _GROUPS: dict[str, Group] = {g.key: g for g in (
           "again does not read them from storage.", 5),
     Group("memory", "Memory and residency",
           "Where the weights every token uses are kept.", 6),
+    Group("context", "Prompt batches and the KV cache",
+          "How the prompt is read in batches, and how the context's keys and values are "
+          "kept and attended to.", 7),
     Group("diagnostics", "Diagnostics and A/B baselines",
           "Settings for measuring the engine against its baselines; none makes it "
           "faster.", 10),
@@ -175,36 +188,44 @@ def _rows() -> tuple[Param, ...]:
         _row("model", "Model file", "path", "model", "basic",
              "The GGUF model file to load.",
              "Choose it from the model list; a change takes effect at the next load.",
-             "", short="-m"),
+             "", short="-m", env="LLAMA_ARG_MODEL"),
         _row("mmproj", "Image projector", "path", "model", "advanced",
              "The projector (mmproj GGUF) that lets the model read images.",
              "Empty pairs the model with the projector in its folder whose header names "
              "the same model; name a file here to choose one yourself.",
-             ""),
+             "", short="-mm", env="LLAMA_ARG_MMPROJ"),
+        _row("mmproj-auto", "Pair a projector", "bool", "model", "advanced",
+             "Pairs the model with the image projector in its folder when Image projector "
+             "names none.",
+             "Off loads the model without images unless Image projector names a file "
+             "(llama-server's --no-mmproj).",
+             True, switches=(Switch("--no-mmproj-auto", False), Switch("--no-mmproj", False)),
+             env="LLAMA_ARG_MMPROJ_AUTO"),
         _row("chat-template", "Chat template", "text", "model", "advanced",
              "The chat template to use instead of the model file's: a built-in's name "
              "(chatml, gemma, llama3) or the template's Jinja text.",
              "Empty uses the template the model file carries. A base model has none, so "
              "it only continues text until one is named here.",
-             ""),
+             "", env="LLAMA_ARG_CHAT_TEMPLATE"),
         _row("chat-template-file", "Chat template file", "path", "model", "advanced",
              "A Jinja chat template file to use instead of the model file's template.",
              "Read once at load; it wins over Chat template. Set at launch only: a path "
              "the server reads is not an API setting.",
-             "", launch_only=True),
+             "", launch_only=True, env="LLAMA_ARG_CHAT_TEMPLATE_FILE"),
         _row("image-max-tokens", "Image tokens", "int", "model", "advanced",
              "The most tokens one image may take, for a projector whose count follows "
              "the image's size.",
              "Lower it where image tokens prefill slowly: the projector sizes the image "
              "down to fit. 0 keeps the projector's own cap; a fixed-size projector "
              "ignores it.",
-             0, min=0, max=65536, unit="tokens", special=(Named(0, "the projector's own"),)),
+             0, min=0, max=65536, unit="tokens", special=(Named(0, "the projector's own"),),
+             env="LLAMA_ARG_IMAGE_MAX_TOKENS"),
         _row("n-predict", "Max tokens", "int", "generation", "basic",
              "The most tokens one answer may take.",
              "Lower it to cut long answers short; 0 lets an answer run until the context "
              "is full.",
              128, server_default=0, short="-n", scope="request", min=0, max=MAX_TOKENS,
-             unit="tokens", special=(Named(0, "up to the context"),)),
+             unit="tokens", special=(Named(0, "up to the context"),), env="LLAMA_ARG_N_PREDICT"),
         _row("think", "Thinking", "bool", "generation", "basic",
              "Lets a thinking model reason before it answers.",
              "Off answers sooner and leaves more of the context for the conversation, "
@@ -215,17 +236,18 @@ def _rows() -> tuple[Param, ...]:
              "Coding agents need 16384 or more (a first request alone measured 9911 "
              "tokens). Every token of context costs KV-cache memory, taken at load.",
              4096, server_default=16384, short="-c", min=1, max=MAX_TOKENS,
-             unit="tokens"),
+             unit="tokens", env="LLAMA_ARG_CTX_SIZE"),
         _row("threads", "Compute threads", "int", "generation", "basic",
              "The threads that compute each token.",
              "The default is the machine's physical cores; more than that rarely helps "
              "decoding, and fewer leaves cores free for other programs.",
-             _physical_cores(), short="-t", min=1, max=MAX_THREADS),
+             _physical_cores(), short="-t", min=1, max=MAX_THREADS, env="LLAMA_ARG_THREADS"),
         _row("threads-batch", "Prefill threads", "int", "generation", "advanced",
              "The threads that read the prompt (prefill).",
              "Prefill uses cores better than decoding does, so more threads can pay "
              "here; 0 uses the compute threads.",
-             0, min=0, max=MAX_THREADS, special=(Named(0, "same as compute threads"),)),
+             0, min=0, max=MAX_THREADS, special=(Named(0, "same as compute threads"),),
+             short="-tb", env="LLAMA_ARG_THREADS_BATCH"),
         _row("trial-threads", "Trial: threads", "int", "generation", "advanced",
              "A second thread count the first answer tries against Compute threads.",
              "The planner sets it until it has measured this model: the first answer "
@@ -242,17 +264,18 @@ def _rows() -> tuple[Param, ...]:
              "How far sampling strays from the likeliest token.",
              "0 always takes the likeliest token, so the same prompt gives the same "
              "answer; 0.6 to 1 gives varied writing, and higher values drift.",
-             0.0, min=0.0, max=2.0, special=(Named(0.0, "greedy"),)),
+             0.0, min=0.0, max=2.0, special=(Named(0.0, "greedy"),), env="LLAMA_ARG_TEMPERATURE"),
         _row("top-k", "Top-k", "int", "sampling", "advanced",
              "Samples only among the k likeliest tokens.",
              "Lower it to keep a warm temperature on topic; it does nothing at "
              "temperature 0.",
-             40, form=True, min=0, max=1000, special=(Named(0, "whole vocabulary"),)),
+             40, form=True, min=0, max=1000, special=(Named(0, "whole vocabulary"),),
+             env="LLAMA_ARG_TOP_K"),
         _row("top-p", "Top-p", "float", "sampling", "advanced",
              "Samples only among the likeliest tokens whose chances add up to p.",
              "Lower it to trim unlikely tokens at a warm temperature; it does nothing at "
              "temperature 0.",
-             0.95, form=True, min=0.0, max=1.0),
+             0.95, form=True, min=0.0, max=1.0, env="LLAMA_ARG_TOP_P"),
         _row("seed", "Seed", "int", "sampling", "advanced",
              "The start of the random choices sampling makes.",
              "Fix it to repeat a run exactly at a temperature above 0; it does nothing at "
@@ -363,7 +386,8 @@ def _rows() -> tuple[Param, ...]:
              "auto", choices=(Named("auto", "checked on this machine"),
                               Named("on", "always, unchecked"),
                               Named("off", "never")),
-             switches=(Switch("--no-repack", "off"), Switch("-nr", "off"))),
+             switches=(Switch("--no-repack", "off"), Switch("-nr", "off")),
+             synonyms=ON_OFF_AUTO, env="LLAMA_ARG_REPACK"),
         _row("rpc", "RPC helpers", "text", "memory", "advanced",
              "Other machines (HOST:PORT, comma-separated) that hold some of the model's "
              "layers in their memory.",
@@ -372,13 +396,52 @@ def _rows() -> tuple[Param, ...]:
              "stream their experts. Set at "
              "launch only: the protocol is unauthenticated, so where it connects is not "
              "an API setting.",
-             "", launch_only=True),
+             "", launch_only=True, env="LLAMA_ARG_RPC"),
         _row("rpc-layers", "Layers on helpers", "int", "memory", "advanced",
              "How many of the model's last layers the RPC helpers hold.",
              "Counted from the end, as llama.cpp's -ngl counts (the output layer is one); "
              "-1 gives them as many as fit the memory they report free. The layers that "
              "stay here stream their experts through the cache.",
              -1, min=-1, max=100000, special=(Named(-1, "by their memory"),)),
+        _row("batch-size", "Prompt batch", "int", "context", "advanced",
+             "The most prompt tokens one llama.cpp call is given (llama-server's -b).",
+             "A long prompt is read in calls of this many tokens, each run in micro-batches "
+             "of Prompt micro-batch; larger cuts the calls, not the work. Capped at the "
+             "context.",
+             PROMPT_BATCH, short="-b", min=1, max=MAX_BATCH, unit="tokens",
+             env="LLAMA_ARG_BATCH"),
+        _row("ubatch-size", "Prompt micro-batch", "int", "context", "advanced",
+             "The tokens computed together while a prompt is read (llama-server's -ub).",
+             "Larger reads long prompts faster on many cores and streams each expert once "
+             "for more tokens, at the cost of a compute buffer that grows with it; never "
+             "more than Prompt batch.",
+             PROMPT_BATCH, short="-ub", min=1, max=MAX_BATCH, unit="tokens",
+             env="LLAMA_ARG_UBATCH"),
+        _row("flash-attn", "Flash attention", "choice", "context", "advanced",
+             "Computes attention in one fused step instead of materialising its scores.",
+             "auto lets llama.cpp use it where this machine's backend runs it; a quantized "
+             "V cache needs it on or auto. Off is for measuring.",
+             AUTO, short="-fa", choices=(Named("auto", "where the backend has it"),
+                                         Named("on", "always"), Named("off", "never")),
+             synonyms=ON_OFF_AUTO, env="LLAMA_ARG_FLASH_ATTN"),
+        _row("cache-type-k", "KV cache: K type", "choice", "context", "advanced",
+             "The number format the context's keys are kept in.",
+             "q8_0 halves the keys' memory against f16 at a small cost in accuracy; q4 "
+             "types cut it further and cost more. A quantized type needs the model's head "
+             "width to be a multiple of 32.",
+             "f16", short="-ctk", choices=tuple(Named(t, t) for t in KV_TYPES),
+             lossy=True, env="LLAMA_ARG_CACHE_TYPE_K"),
+        _row("cache-type-v", "KV cache: V type", "choice", "context", "advanced",
+             "The number format the context's values are kept in.",
+             "As for K; a quantized V type needs Flash attention on or auto.",
+             "f16", short="-ctv", choices=tuple(Named(t, t) for t in KV_TYPES),
+             lossy=True, env="LLAMA_ARG_CACHE_TYPE_V"),
+        _row("swa-full", "Full-size SWA cache", "bool", "context", "advanced",
+             "Keeps every position in the cache of sliding-window attention layers.",
+             "A model with sliding-window layers (Gemma, gpt-oss) then keeps a longer "
+             "prompt prefix reusable, at the memory of a full cache for those layers; no "
+             "effect on other models.",
+             False, env="LLAMA_ARG_SWA_FULL"),
         _row("force-cache", "Force cache size", "bool", "diagnostics", "debug",
              "Accepts an expert cache smaller than one token cycle.",
              "The engine refuses such a cache because it hits 0 % and is slower than "
@@ -546,6 +609,10 @@ def _parse_choice(p: Param, raw: Any) -> str:
     allowed = [str(c.value) for c in p.choices]
     if isinstance(raw, str) and raw.strip() in allowed:
         return raw.strip()
+    word = raw.strip().lower() if isinstance(raw, str) else None
+    for other, value in p.synonyms:
+        if word == other:
+            return value
     raise ValueError(f"{{{p.key}}} must be one of {', '.join(allowed)}, not {_shown(raw)}")
 
 
@@ -577,6 +644,14 @@ def _cache_above_ceiling(values: dict[str, Any]) -> str:
             f"lower one, or set {{cache-ceil-mb}} to 0 for no cap")
 
 
+def _quantized_v_without_flash(values: dict[str, Any]) -> str:
+    kind = values.get("cache-type-v")
+    if kind in (None, *KV_FLOAT_TYPES) or values.get("flash-attn") != "off":
+        return ""
+    return (f"{{cache-type-v}} {kind} needs {{flash-attn}} on or auto: llama.cpp keeps a "
+            "quantized V cache only with flash attention. Turn it on, or keep V as f16.")
+
+
 def validate(values: dict[str, Any]) -> str:
     """"" when ``values`` hold together; otherwise a message with ``{key}`` placeholders.
 
@@ -588,7 +663,7 @@ def validate(values: dict[str, Any]) -> str:
                 parse_value(p, values[p.key])
             except ValueError as e:
                 return str(e)
-    for rule in (_cache_above_ceiling,):
+    for rule in (_cache_above_ceiling, _quantized_v_without_flash):
         message = rule(values)
         if message:
             return message

@@ -33,7 +33,7 @@ from .calibrate import Arm, Trial
 from . import families
 from .chatparse import detect_framing
 from .errors import EngineError, LoadError, context_full
-from . import builtin_templates, kernels
+from . import builtin_templates, kernels, params
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
 from .sampling import Sampling, build_chain, top_logprobs
@@ -44,7 +44,7 @@ log = logging.getLogger("bmoe.chat")
 
 SEED_RANDOM = 4294967295
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-PREFILL_CHUNK = 512  # tokens per llama_decode during a prefill
+PREFILL_CHUNK = params.PROMPT_BATCH  # tokens per llama_decode by default (batch-size)
 MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file (the largest real ones are ~40 KiB)
 _GGML_LOG_LEVEL_ERROR = 4  # ggml.h enum ggml_log_level
 
@@ -136,6 +136,8 @@ class Session:
     n_ctx: int
     n_ctx_train: int
     n_batch: int
+    n_ubatch: int
+    attention: "ContextReport"
     n_expert: int
     n_expert_used: int
     compute_threads: int
@@ -226,8 +228,14 @@ class Session:
         cparams = lc.llama_context_default_params()
         n_ctx = int(self.values.get("ctx-size") or 4096)
         cparams.n_ctx = n_ctx
-        cparams.n_batch = min(n_ctx, PREFILL_CHUNK)
-        cparams.n_ubatch = min(n_ctx, PREFILL_CHUNK)
+        n_batch = min(n_ctx, int(self.values.get("batch-size") or PREFILL_CHUNK))
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_batch, int(self.values.get("ubatch-size") or PREFILL_CHUNK))
+        asked = _attention_settings(self.values)
+        cparams.flash_attn_type = _FLASH_ATTN[asked.flash_attn]
+        cparams.type_k = _KV_TYPE[asked.type_k]
+        cparams.type_v = _KV_TYPE[asked.type_v]
+        cparams.swa_full = asked.swa_full
         threads = int(self.values.get("threads") or os.cpu_count() or 1)
         tb = int(self.values.get("threads-batch") or 0) or threads
         cparams.n_threads = threads
@@ -245,13 +253,19 @@ class Session:
         self._abort_ref = _abort
         if self.streamer is not None:
             self.streamer.configure_context_params(cparams)
-        self.ctx = (self.rpc.init_context(self.model, cparams) if self.rpc is not None
-                    else lc.llama_init_from_model(self.model, cparams))
+        heard = _LlamaLog()            # started last, stopped first: the streamer's tap is outer
+        heard.start()
+        try:
+            self.ctx = (self.rpc.init_context(self.model, cparams) if self.rpc is not None
+                        else lc.llama_init_from_model(self.model, cparams))
+        finally:
+            heard.stop()
         if not self.ctx:
-            raise LoadError(f"llama.cpp could not create a context of {n_ctx} tokens "
-                            "(lower {ctx-size}).")
+            raise LoadError(_context_refused(n_ctx, asked, heard.errors()))
         self.n_ctx = lc.llama_n_ctx(self.ctx)
-        self.n_batch = min(self.n_ctx, PREFILL_CHUNK)
+        self.n_batch = lc.llama_n_batch(self.ctx)
+        self.n_ubatch = lc.llama_n_ubatch(self.ctx)
+        self.attention = asked.resolved(heard.lines)
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self.memory = lc.llama_get_memory(self.ctx)
         self.compute_threads = threads
@@ -702,3 +716,115 @@ class _Aborted(Exception):
     def __init__(self, pos: int) -> None:
         super().__init__(pos)
         self.pos = pos
+
+
+# -- the context's attention and KV cache settings ----------------------------------------
+
+_FLASH_ATTN = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+               "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+_GGML_TYPE_BF16 = 30  # ggml.h enum ggml_type (the binding does not name it)
+_KV_TYPE = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "bf16": _GGML_TYPE_BF16,
+            "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0, "q4_1": lc.GGML_TYPE_Q4_1,
+            "iq4_nl": lc.GGML_TYPE_IQ4_NL, "q5_0": lc.GGML_TYPE_Q5_0,
+            "q5_1": lc.GGML_TYPE_Q5_1}
+# llama.cpp's lines that say what the context was made with (src/llama-context.cpp's
+# resolve_fused_ops, src/llama-kv-cache.cpp's size line)
+_FA_ON = (b"Flash Attention enabled", b"enabling flash_attn since")
+_FA_OFF = b"Flash Attention not supported"
+_KV_LINE = re.compile(rb"K \((\w+)\):\s*[\d.]+ MiB, V \((\w+)\)")
+
+
+@dataclass(frozen=True)
+class ContextReport:
+    """What the context was asked for and what llama.cpp made: ``flash_attn`` is the
+    setting (auto / on / off), ``flash_attn_used`` whether attention runs fused (None
+    when llama.cpp did not say); the K and V types are the ones its KV cache reported."""
+
+    flash_attn: str
+    type_k: str
+    type_v: str
+    swa_full: bool
+    flash_attn_used: bool | None = None
+    kv_reported: bool = False          # the K and V types are llama.cpp's own report
+
+    def resolved(self, lines: list[bytes]) -> "ContextReport":
+        used: bool | None = {"on": True, "off": False}.get(self.flash_attn)
+        type_k, type_v, heard = self.type_k, self.type_v, False
+        for line in lines:
+            if any(on in line for on in _FA_ON):
+                used = True
+            elif _FA_OFF in line:
+                used = False
+            kv = _KV_LINE.search(line)
+            if kv and not heard:         # the first cache's (a SWA model reports two)
+                type_k, type_v, heard = kv.group(1).decode(), kv.group(2).decode(), True
+        return ContextReport(self.flash_attn, type_k, type_v, self.swa_full, used, heard)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flash_attn": self.flash_attn, "flash_attn_used": self.flash_attn_used,
+                "cache_type_k": self.type_k, "cache_type_v": self.type_v,
+                "swa_full": self.swa_full, "kv_reported": self.kv_reported}
+
+
+def _attention_settings(values: dict[str, Any]) -> ContextReport:
+    """The settings as asked; a quantized V cache without flash attention is refused
+    here, before llama.cpp is asked (it would refuse the context)."""
+    asked = ContextReport(str(values.get("flash-attn") or "auto"),
+                          str(values.get("cache-type-k") or "f16"),
+                          str(values.get("cache-type-v") or "f16"),
+                          bool(values.get("swa-full", False)))
+    message = params.validate({"flash-attn": asked.flash_attn, "cache-type-k": asked.type_k,
+                               "cache-type-v": asked.type_v})
+    if message:
+        raise LoadError(message)
+    return asked
+
+
+def _context_refused(n_ctx: int, asked: ContextReport, errors: list[str]) -> str:
+    """Why llama.cpp made no context, in its own words where it gave them."""
+    said = "; ".join(errors)
+    if said and any(w in said for w in ("cache type", "K cache", "V cache", "flash_attn")):
+        return (f"llama.cpp refused the KV cache types (K {asked.type_k}, V {asked.type_v}, "
+                f"flash attention {asked.flash_attn}): {said}. Choose other "
+                "{cache-type-k} / {cache-type-v}.")
+    because = f": {said}" if said else ""
+    return (f"llama.cpp could not create a context of {n_ctx} tokens{because} "
+            "(lower {ctx-size}).")
+
+
+class _LlamaLog:
+    """Hears llama.cpp's log lines while a context is made, passing each one on to the
+    callback that was installed before (they are restored in ``stop``)."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self._levels: list[int] = []
+        self._prev: Any = None
+        self._prev_data: Any = None
+        self._fn: Any = None
+
+    def start(self) -> None:
+        cb, data = lc.llama_log_callback(), ctypes.c_void_p()
+        lc.llama_log_get(ctypes.byref(cb), ctypes.byref(data))
+        self._prev, self._prev_data = cb, data
+
+        @lc.llama_log_callback
+        def _hear(level: int, text: bytes, user: ctypes.c_void_p) -> None:
+            if text:
+                self.lines.append(bytes(text))
+                self._levels.append(level)
+            if self._prev:
+                self._prev(level, text, self._prev_data)
+
+        self._fn = _hear
+        lc.llama_log_set(_hear, ctypes.c_void_p(0))
+
+    def stop(self) -> None:
+        if self._fn is not None:
+            lc.llama_log_set(self._prev, self._prev_data)
+            self._fn = None
+
+    def errors(self) -> list[str]:
+        return [line.decode("utf-8", "replace").strip().split(": ", 1)[-1]
+                for line, level in zip(self.lines, self._levels, strict=True)
+                if level == _GGML_LOG_LEVEL_ERROR and line.strip()]

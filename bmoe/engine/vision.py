@@ -375,8 +375,9 @@ def reuse_start(vision: Vision | None, prompt: list[int], reused: int) -> int:
 
 
 def open_vision(session: "Session") -> Vision | None:
-    """The session's projector: the `mmproj` parameter's file, else the one its folder
-    pairs with the model by their headers; None when there is none.
+    """The session's projector: the `mmproj` parameter's file, else (unless `mmproj-auto`
+    is off) the one its folder pairs with the model by their headers; None when there is
+    none.
 
     A projector named with `mmproj` that cannot be used fails the load, with the
     reason; one the folder paired is left out with a warning, and the model loads
@@ -386,7 +387,8 @@ def open_vision(session: "Session") -> Vision | None:
     from ..models.probe import probe_file
 
     named = str(session.values.get("mmproj") or "").strip()
-    path = Path(named).expanduser() if named else projector_for(session.path)
+    pair = session.values.get("mmproj-auto", True) is not False
+    path = Path(named).expanduser() if named else projector_for(session.path) if pair else None
     if path is None:
         return None
     try:

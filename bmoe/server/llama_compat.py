@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
-from . import completions, metrics, openai_chat, shapes, wire
+from . import completions, llama_flags, metrics, openai_chat, shapes, wire
 from .bridge import wait_future
 from .shapes import engine_http_error
 from .state import ServerState
@@ -42,196 +43,52 @@ from .state import ServerState
 TOKENS_MAX = 1 << 20          # ids in one /detokenize body (the body cap bounds it too)
 
 
-# -- start-up: llama-server's flags and variables --------------------------------------
+# -- start-up: llama-server's flags, variables and --config (llama_flags.py) -------------
 
-# LLAMA_ARG_* variables read as the flag they stand for, unless the command line gives
-# that flag (in any spelling): the command line replaces the variable, as in llama-server.
-ENV_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "LLAMA_ARG_MODEL": ("--model", ("-m", "--model")),
-    "LLAMA_ARG_CTX_SIZE": ("--ctx-size", ("-c", "--ctx-size")),
-    "LLAMA_ARG_N_PREDICT": ("--n-predict", ("-n", "--n-predict")),
-    "LLAMA_ARG_THREADS": ("--threads", ("-t", "--threads")),
-    "LLAMA_ARG_THREADS_BATCH": ("--threads-batch", ("--threads-batch",)),
-    "LLAMA_ARG_PORT": ("--port", ("--port",)),
-    "LLAMA_API_KEY": ("--api-key", ("--api-key", "--api-key-file")),
-    "LLAMA_ARG_API_KEY_FILE": ("--api-key-file", ("--api-key", "--api-key-file")),
-    "LLAMA_ARG_ENDPOINT_METRICS": ("--metrics", ("--metrics",)),
-}
-SECRET_VARS = ("LLAMA_API_KEY",)
-SWITCH_VARS = ("LLAMA_ARG_ENDPOINT_METRICS",)
-GPU_FLAGS = (("-ngl", "--n-gpu-layers", "--gpu-layers"), ("-dev", "--device"),
-             ("-sm", "--split-mode"), ("-ts", "--tensor-split"), ("-mg", "--main-gpu"))
-GPU_VARS = ("LLAMA_ARG_N_GPU_LAYERS", "LLAMA_ARG_DEVICE", "LLAMA_ARG_SPLIT_MODE",
-            "LLAMA_ARG_TENSOR_SPLIT", "LLAMA_ARG_MAIN_GPU")
+add_flags = llama_flags.add_flags
+check_flags = llama_flags.check_flags
+config_argv = llama_flags.config_argv
+env_argv = llama_flags.env_argv
 
 
-def _given(argv: list[str], spellings: tuple[str, ...]) -> bool:
-    return any(a in spellings or (a.startswith("--") and a.split("=", 1)[0] in spellings)
-               for a in argv)
+@dataclass(frozen=True)
+class LlamaOptions:
+    """What llama-server's flags set for these routes: the model's names and tags, and
+    which of llama-server's optional routes are served."""
+
+    aliases: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    slots: bool = True
+    metrics: bool = False
+    ui: bool = True
+    reasoning_format: str = "auto"
+    parallel: int = 1                  # as asked; one turn runs at a time whatever it is
 
 
-def env_argv(argv: list[str], environ: dict[str, str]) -> tuple[list[str], list[str]]:
-    """The command line with llama-server's variables read in, and one line for each
-    variable saying what it was read as (a key's value is never shown). SystemExit
-    for a variable that names no key."""
-    extra: list[str] = []
-    lines: list[str] = []
-    for var in sorted(v for v in environ if v.startswith("LLAMA_ARG_") or v == "LLAMA_API_KEY"):
-        value = environ[var]
-        if var in GPU_VARS:
-            lines.append(f"{var} is not used: this build runs on the CPU.")
-            continue
-        if var not in ENV_FLAGS:
-            why = " (the address widens only with --host)" if var == "LLAMA_ARG_HOST" else ""
-            lines.append(f"{var} is not read by bmoe-server{why}.")
-            continue
-        flag, spellings = ENV_FLAGS[var]
-        if _given(argv, spellings) or _given(extra, spellings):
-            lines.append(f"{var} is replaced by the command line's {flag}.")
-            continue
-        if var in SECRET_VARS and not value.strip():
-            raise SystemExit(f"bmoe-server: {var} is set but names no key.")
-        if var in SWITCH_VARS:
-            if value.strip().lower() in ("1", "true", "on", "enabled"):
-                extra.append(flag)
-                lines.append(f"{var} read as {flag}.")
-            continue
-        extra += [flag, value]
-        shown = "(the key)" if var in SECRET_VARS else value
-        lines.append(f"{var} read as {flag} {shown}.")
-    return [*argv, *extra], lines
-
-
-CONFIG_MAX_BYTES = 1 << 20
-CONFIG_ACTIONS = ("help", "version", "config")   # keys that ask the start to do something
-CONFIG_QUIET = ("api-key",)                     # entries whose value is never printed
-
-
-def config_argv(argv: list[str], parser: Any) -> tuple[list[str], list[str]]:
-    """`--config FILE` (one JSON object of flags, llama-server's rules) read into the
-    command line, and one line for each entry saying what it was read as. The command
-    line's flag, in any spelling, replaces the file's entry. SystemExit names what is
-    refused."""
-    spots = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
-    if not spots:
-        return argv, []
-    if len(spots) > 1:
-        raise SystemExit("bmoe-server: --config is given twice.")
-    i = spots[0]
-    if argv[i] == "--config":
-        if i + 1 >= len(argv):
-            raise SystemExit("bmoe-server: --config needs a file.")
-        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
-    else:
-        path, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
-    actions = parser._option_string_actions
-    given = {actions[a.split("=", 1)[0]].dest for a in rest
-             if a.startswith("-") and a.split("=", 1)[0] in actions}
-    extra: list[str] = []
-    lines: list[str] = []
-    for key, value in _read_config(path):
-        args, line = _config_entry(path, key, value, actions, given)
-        extra += args
-        lines.append(line)
-    return [*extra, *rest], lines
-
-
-def _read_config(path: str) -> list[tuple[str, Any]]:
-    import json
-
-    def refuse(why: str) -> SystemExit:
-        return SystemExit(f"bmoe-server: --config {path}: {why}")
-
-    try:
-        with open(path, "rb") as f:
-            data = f.read(CONFIG_MAX_BYTES + 1)
-    except OSError as e:
-        raise refuse(f"cannot be read ({e.strerror or 'unreadable'}).") from None
-    if len(data) > CONFIG_MAX_BYTES:
-        raise refuse(f"is larger than {CONFIG_MAX_BYTES} bytes.")
-    try:                                # every object as its (key, value) pairs, in order
-        decoded = json.loads(data.decode("utf-8"), object_pairs_hook=lambda kv: kv)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise refuse("is not JSON.") from None
-    if not isinstance(decoded, list) or any(not isinstance(kv, tuple) for kv in decoded):
-        raise refuse("is not one JSON object of flags.")
-    keys = [k for k, _ in decoded]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise refuse(f"names {twice[0]} twice.")
-    return list(decoded)
-
-
-def _config_entry(path: str, key: str, value: Any, actions: dict[str, Any],
-                  given: set[str]) -> tuple[list[str], str]:
-    def refuse(why: str) -> SystemExit:
-        return SystemExit(f"bmoe-server: --config {path}: {why}")
-
-    if key.startswith("-"):
-        raise refuse(f"write the key {key} without its dashes.")
-    if key in CONFIG_ACTIONS:
-        raise refuse(f"{key} asks the start to do something; it is not a setting.")
-    flag = "--" + key
-    action = actions.get(flag)
-    if action is None:
-        raise refuse(f"{key} is not a flag of bmoe-server.")
-    if action.dest in given:
-        return [], f"{path}: {key} is replaced by the command line's {flag}."
-    switch = action.nargs == 0
-    if value is True:
-        if not switch:
-            raise refuse(f"{key} takes a value, not true.")
-        return [flag], f"{path}: {key} read as {flag}."
-    if value is False or value is None or isinstance(value, (dict, tuple)) or value == []:
-        raise refuse(f"{key} cannot be {_json_text(value)}: give a value, or leave it out.")
-    if switch:
-        raise refuse(f"{key} is a switch: give true, or leave it out.")
-    values = value if isinstance(value, list) else [value]
-    if any(isinstance(v, (bool, dict, list, tuple)) or v is None for v in values):
-        raise refuse(f"{key} takes strings or numbers.")
-    out = [a for v in values for a in (flag, str(v))]
-    shown = "(not shown)" if key in CONFIG_QUIET else " ".join(str(v) for v in values)
-    return out, f"{path}: {key} read as {flag} {shown}."
-
-
-def _json_text(value: Any) -> str:
-    if value is False:
-        return "false"
-    if value is None:
-        return "null"
-    return "an empty list" if value == [] else "an object"
-
-
-def add_flags(p: Any) -> None:
-    p.add_argument("--config", metavar="FILE",
-                   help="read flags from one JSON object ({\"ctx-size\": 8192, ...}); the "
-                        "command line replaces its entries")
-    p.add_argument("--metrics", action="store_true",
-                   help="serve GET /metrics (Prometheus text format), as llama-server's "
-                        "--metrics")
-    p.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                   help="llama-server's slot count: this server has one slot (1 only)")
-    for names in GPU_FLAGS:
-        p.add_argument(*names, dest="gpu_" + names[-1].lstrip("-").replace("-", "_"),
-                       default=None, metavar="X",
-                       help="llama-server's GPU flag: accepted, no effect on this CPU build")
-
-
-def check_flags(args: Any) -> list[str]:
-    """Refusals (SystemExit) and the lines to print for llama-server's flags."""
-    if getattr(args, "parallel", 1) != 1:
-        raise SystemExit(f"bmoe-server: --parallel {args.parallel} is refused: this server "
-                         "answers one request at a time (one slot); leave it out or give 1.")
-    lines = []
-    for names in GPU_FLAGS:
-        value = getattr(args, "gpu_" + names[-1].lstrip("-").replace("-", "_"), None)
-        if value is not None:
-            lines.append(f"{names[0]} {value} has no effect: this build runs on the CPU.")
-    return lines
+def options_from(args: Any) -> LlamaOptions:
+    F = llama_flags.BY_LONG
+    given = llama_flags.given
+    parallel = given(args, F["--parallel"])
+    return LlamaOptions(
+        aliases=llama_flags.split_names(given(args, F["--alias"])),
+        tags=llama_flags.split_names(given(args, F["--tags"])),
+        slots=given(args, F["--slots"]) is not False,
+        metrics=bool(getattr(args, "metrics", False)),
+        ui=given(args, F["--webui"]) is not False,
+        reasoning_format=given(args, F["--reasoning-format"]) or "auto",
+        parallel=int(parallel) if parallel is not None else 1)
 
 
 def attach(state: Any, args: Any) -> None:
-    state.llama_metrics = bool(getattr(args, "metrics", False))
+    options = options_from(args)
+    state.llama_options = options
+    state.llama_metrics = options.metrics
+    state.model_aliases = options.aliases
+    state.model_tags = options.tags
+
+
+def llama_options(state: Any) -> LlamaOptions:
+    return getattr(state, "llama_options", None) or LlamaOptions()
 
 
 def register(table: RouteTable, state: ServerState) -> None:
@@ -296,21 +153,24 @@ async def health(state: ServerState, request: Request) -> Response:
     return Response.json({"status": "ok"})
 
 
-def default_settings(session: Session) -> dict[str, Any]:
+def default_settings(state: ServerState, session: Session) -> dict[str, Any]:
     params = {**Sampling().settings(), "n_predict": -1, "stream": False, "grammar": "",
-              "model": session.path.name}
+              "model": state.model_name()}
     return {"id": 0, "id_task": -1, "n_ctx": session.n_ctx, "speculative": False,
             "is_processing": False, "params": params}
 
 
 async def props(state: ServerState, request: Request) -> Response:
     session = await ready_session(state)
+    options = llama_options(state)
     return Response.json({
-        "default_generation_settings": default_settings(session),
-        "total_slots": 1, "model_alias": session.path.name, "model_path": str(session.path),
+        "default_generation_settings": default_settings(state, session),
+        "total_slots": 1, "model_alias": state.model_name(), "model_path": str(session.path),
         "chat_template": session.template_text, "chat_format": session.tool_framing or "none",
         "bos_token": session.bos_token,
         "eos_token": session.eos_token, "modalities": {"vision": session.vision is not None, "audio": False},
+        "endpoint_slots": options.slots, "endpoint_props": False,
+        "endpoint_metrics": bool(getattr(state, "llama_metrics", False)), "ui": options.ui,
         "build_info": f"bmoe {__version__}", "n_ctx": session.n_ctx})
 
 
@@ -319,11 +179,14 @@ async def set_props(state: ServerState, request: Request) -> Response:
 
 
 async def slots(state: ServerState, request: Request) -> Response:
+    if not llama_options(state).slots:
+        raise not_supported("This server does not support slots endpoint. Start it with "
+                            "`--slots`")
     session = await ready_session(state)
     busy = state.generating
     if busy and request.query.get("fail_on_no_slot") not in (None, "", "0", "false"):
         raise HTTPError(503, "no_slot", "no slot available")
-    slot = default_settings(session)
+    slot = default_settings(state, session)
     slot["is_processing"] = busy
     slot["prompt"] = ""
     slot["next_token"] = [{"has_next_token": busy, "has_new_line": False, "n_remain": -1,
@@ -447,9 +310,10 @@ def _entry(state: ServerState) -> dict[str, Any] | None:
     info = state.model_info()
     if info is None:
         return None
-    return {"id": info["name"], "object": "model", "owned_by": "local", "created": 0,
-            "meta": {"n_ctx": info["n_ctx"], "n_vocab": state.session.n_vocab
-                     if state.session is not None else 0}}
+    return {"id": info["id"], "aliases": list(state.model_aliases),
+            "tags": list(state.model_tags), "object": "model", "owned_by": "local",
+            "created": 0, "meta": {"n_ctx": info["n_ctx"], "n_vocab": state.session.n_vocab
+                                   if state.session is not None else 0}}
 
 
 async def models(state: ServerState, request: Request) -> Response:
@@ -459,7 +323,7 @@ async def models(state: ServerState, request: Request) -> Response:
 
 def _find(state: ServerState, name: str) -> dict[str, Any]:
     entry = _entry(state)
-    if entry is None or entry["id"] != name:
+    if entry is None or name not in (entry["id"], *entry["aliases"]):
         served = f"it serves {entry['id']}" if entry else "no model is loaded"
         raise HTTPError(404, "not_found", f"This server does not serve {name[:200]!r}: {served}.")
     return entry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from ..http.routes import RouteTable
 from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore
 from .events import EventBus
-from . import llama_compat, models_routes, plan_routes
+from . import launch_files, llama_compat, llama_flags, models_routes, plan_routes
 from ..agent import api as agent_api
 from .routes import build_routes
 from .shapes import error_shaper
@@ -172,13 +173,17 @@ def main(argv: list[str] | None = None) -> int:
         return service_main(argv[1:])
     if argv[:1] == ["rpc-worker"]:
         return rpc_worker_main(argv[1:])
-    argv, file_lines = llama_compat.config_argv(argv, build_parser())
-    argv, env_lines = llama_compat.env_argv(argv, dict(os.environ))
+    parser = build_parser()
+    argv = llama_flags.respell(argv, parser)
+    argv, file_lines = llama_compat.config_argv(argv, parser)
+    argv, env_lines = llama_compat.env_argv(argv, dict(os.environ), parser)
     args = build_parser().parse_args(argv)
     if args.parent_pid is None:
         args.parent_pid = parent_from_env(os.environ.get(PARENT_ENV, ""))
     for line in [*file_lines, *env_lines, *llama_compat.check_flags(args)]:
         print(f"bmoe-server: {line}", file=sys.stderr)
+    if llama_flags.given(args, llama_flags.BY_LONG["--log-verbose"]):
+        logging.basicConfig(level=logging.DEBUG, format="bmoe-server: %(name)s: %(message)s")
     if args.log_file is not None:
         from ..service import logtee
         logtee.start(args.log_file.expanduser().absolute())
@@ -188,9 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     models_dir = (args.models_dir or data_dir / "models").expanduser().resolve()
     models_dir.mkdir(parents=True, exist_ok=True)
     launch = params.values_from_namespace(args)
+    refused = params.validate(launch)
+    if refused:
+        raise SystemExit(f"bmoe-server: {params.render(refused, 'flag')}")
     if args.demo and not launch.get("model"):
         from ..modelmaker import ensure_demo_model
         launch["model"] = str(ensure_demo_model(data_dir))
+    launch.update(launch_files.fetch(args, data_dir, models_dir))
     options = ServerOptions(host=args.host, port=args.port, data_dir=data_dir,
                             models_dir=models_dir,
                             scan_dirs=[d.expanduser().resolve() for d in args.scan_dir],
@@ -226,7 +235,8 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
     plan_routes.attach(state, args)
     llama_compat.attach(state, args)
     agent_api.attach(state, args)
-    app = HttpApp(route_table(state, args), policy, assets_dir(), error_shaper=error_shaper)
+    ui = assets_dir() if llama_compat.llama_options(state).ui else None   # --no-ui: 404 at /
+    app = HttpApp(route_table(state, args), policy, ui, error_shaper=error_shaper)
     running = trio.CancelScope()
     async with trio.open_nursery() as outer:
         await outer.start(watch_signals, state, running)   # SIGTERM / SIGINT: a clean stop

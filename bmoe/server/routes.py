@@ -117,7 +117,8 @@ async def models(state: ServerState, request: Request) -> Response:
     data = []
     info = state.model_info()
     if info is not None:
-        data.append({"id": info["name"], "object": "model", "owned_by": "local",
+        data.append({"id": info["id"], "aliases": list(state.model_aliases),
+                     "tags": list(state.model_tags), "object": "model", "owned_by": "local",
                      "created": 0, "modalities": ["text", "image"] if info["vision"]
                      else ["text"]})
     return Response.json({"object": "list", "data": data})

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import trio
 
 from .. import __version__
+from ..engine import params
 from ..engine.errors import EngineError
 from ..engine.session import Session
 from ..engine.thread import EngineThread
@@ -71,6 +72,15 @@ class ServerState:
         self.streamer_factory = streamer_factory
         self.planner: Any = None                 # bmoe/server/plan_routes.py's PlanService
         self.metrics = Metrics()                 # GET /metrics (bmoe/server/metrics.py)
+        self.model_aliases: tuple[str, ...] = ()  # --alias (bmoe/server/llama_compat.py)
+        self.model_tags: tuple[str, ...] = ()     # --tags
+
+    def model_name(self) -> str:
+        """The name the API serves the loaded model under: the first --alias, else its
+        file's name ("" with nothing loaded)."""
+        if self.model_aliases:
+            return self.model_aliases[0]
+        return self.session.path.name if self.session is not None else ""
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -125,7 +135,8 @@ class ServerState:
         if s is None or self.state != "ready":
             return None
         return {
-            "path": str(s.path), "name": s.path.name, "arch": s.arch, "n_ctx": s.n_ctx,
+            "path": str(s.path), "name": s.path.name, "id": self.model_name(),
+            "arch": s.arch, "n_ctx": s.n_ctx,
             "n_expert_used": s.n_expert_used, "think_ctl": "template" if s.template else "none",
             "chat_format": s.tool_framing or "none",
             "load_s": round(s.load_s, 3), "streaming": s.streamer is not None,
@@ -136,6 +147,7 @@ class ServerState:
             "compute_threads": s.compute_threads,
             "busy_threads": s.compute_threads, "ctx_advice": self.ctx_advice(),
             "kernels": s.kernels.to_json(),
+            "context": {"n_batch": s.n_batch, "n_ubatch": s.n_ubatch, **s.attention.to_json()},
         }
 
     def info(self) -> dict[str, Any]:
@@ -198,9 +210,9 @@ class ServerState:
                 if self.planner is not None:       # auto-plan: measure, apply, then load
                     values = await self.planner.before_load(path, values)
                 session = await self._open_on_engine(path, values)
-            except EngineError as e:
-                self._set_state("error", e.message)
-                self.bus.log("error", f"load failed: {e.message}")
+            except EngineError as e:              # its settings named by their labels
+                self._set_state("error", params.render(e.message))
+                self.bus.log("error", f"load failed: {params.render(e.message)}")
                 return
             except Exception as e:  # noqa: BLE001 - a load failure is reported, not raised
                 self._set_state("error", f"The model could not be loaded: {e}")

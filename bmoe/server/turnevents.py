@@ -29,8 +29,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Union
 
-from ..engine.chatparse import (AppendOnlyStream, BlockClose, BlockEvent, BlockOpen,
-                                ChatDeltaStream, ParseView, random_call_ids)
+from ..engine.chatparse import (THINK_CLOSE, THINK_OPEN, AppendOnlyStream, BlockClose,
+                                BlockEvent, BlockOpen, ChatDeltaStream, ParseView,
+                                random_call_ids)
 from ..engine.families import output_parser
 from ..engine.errors import EngineError
 from ..engine.session import Generation, TokenEvent
@@ -142,14 +143,53 @@ def _chat_event(delta: dict[str, Any]) -> list[TurnEvent]:
     return [ToolArgsDelta(call["index"], call["function"]["arguments"])]
 
 
+class ReasoningKept:
+    """llama-server's `--reasoning-format none` and `deepseek-legacy`: a thinking model's
+    reasoning stays in the content as the model wrote it, tags and all (`none`: only
+    there; `deepseek-legacy`: in reasoning_content too). Tool calls are still read: then
+    the content is the reasoning in its tags followed by the text."""
+
+    def __init__(self, parser: Any, fmt: str, tools: bool) -> None:
+        self._parser = parser
+        self._keep_reasoning = fmt == "deepseek-legacy"
+        self._tools = tools
+        self._raw = ""
+
+    def feed(self, text: str) -> None:
+        self._raw += text
+        self._parser.feed(text)
+
+    def snapshot(self) -> ParseView:
+        return self._view(self._parser.snapshot())
+
+    def finish(self) -> ParseView:
+        return self._view(self._parser.finish())
+
+    def _view(self, view: ParseView) -> ParseView:
+        if not self._tools:                  # nothing but reasoning to read: the raw text
+            content = self._raw.strip()
+        elif view.reasoning:
+            content = f"{THINK_OPEN}\n{view.reasoning}\n{THINK_CLOSE}\n\n{view.content}".strip()
+        else:
+            content = view.content
+        return ParseView(view.reasoning if self._keep_reasoning else "", content,
+                         view.tool_calls, view.fallback_raw)
+
+
+REASONING_KEPT = ("none", "deepseek-legacy")
+
+
 class TurnOutput:
     """The parser's reading of one generation, as events of one shape (or none)."""
 
     def __init__(self, prepared: Prepared, req: TurnRequest, shape: Shape | None,
-                 new_call_id: Callable[[], str] | None = None) -> None:
+                 new_call_id: Callable[[], str] | None = None,
+                 reasoning_format: str = "auto") -> None:
         tools = req.offered_tools()
         self.parser = output_parser(prepared.framing if tools else None,
                                     prepared.starts_in_reasoning, tools, prepared.family)
+        if reasoning_format in REASONING_KEPT:
+            self.parser = ReasoningKept(self.parser, reasoning_format, bool(tools))
         self.shape = shape
         new_id = new_call_id or random_call_ids()
         self._chat = ChatDeltaStream(new_id) if shape == "revisable" else None

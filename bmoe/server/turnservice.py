@@ -70,7 +70,7 @@ class Turn:
 
     @property
     def model(self) -> str:
-        return self.session.path.name if self.session is not None else ""
+        return self.state.model_name() if self.session is not None else ""
 
     def close(self) -> None:
         self.place.release()
@@ -161,7 +161,9 @@ async def drive(turn: Turn, emit: Emit, shape: Shape | None,
 
     prepared = turn.prepared or await turn.start(on_wait=waiting)
     await emit(Started(turn.model))
-    out = TurnOutput(prepared, turn.req, shape, new_call_id)
+    options = getattr(turn.state, "llama_options", None)       # --reasoning-format
+    out = TurnOutput(prepared, turn.req, shape, new_call_id,
+                     getattr(options, "reasoning_format", "auto"))
 
     async def on_batch(batch: Batch) -> None:
         for ev in out.feed_batch([tok for tok, _ in batch]):
@@ -236,8 +238,7 @@ async def stream(turn: Turn, encoder: Encoder, send: Send) -> None:
             await send(data)
 
     try:
-        session = turn.state.session
-        await emit(Opened(turn.model or (session.path.name if session is not None else "")))
+        await emit(Opened(turn.model or turn.state.model_name()))
         await drive(turn, emit, encoder.shape, encoder.new_call_id)
     except (EngineError, HTTPError) as e:
         await emit(Failed(e))
