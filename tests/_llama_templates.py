@@ -18,11 +18,8 @@ def cache_dir() -> Path:
     return Path(base) / "bmoe-tests"
 
 
-def templates_dir() -> Path:
-    """The folder of ``*.jinja`` templates, downloading and extracting the sdist if needed."""
-    out = cache_dir() / f"llama-templates-{SDIST_VERSION}"
-    if (out / "openai-gpt-oss-120b.jinja").exists():
-        return out
+def sdist_tarball() -> Path:
+    """The pinned sdist's tarball in the cache, downloaded from PyPI once."""
     sdist = cache_dir() / "sdist"
     tarballs = sorted(sdist.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
     if not tarballs:
@@ -30,8 +27,27 @@ def templates_dir() -> Path:
                         f"llama-cpp-python=={SDIST_VERSION}", "--no-binary", ":all:",
                         "--no-deps", "-d", str(sdist)], check=True, timeout=1800)
         tarballs = sorted(sdist.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
+    return tarballs[0]
+
+
+def sdist_text(member: str) -> str:
+    """One file of the sdist (``vendor/llama.cpp/...``, below its top folder), as text."""
+    with tarfile.open(sdist_tarball()) as tar:
+        for info in tar.getmembers():
+            if info.isfile() and info.name.split("/", 1)[-1] == member:
+                data = tar.extractfile(info)
+                assert data is not None
+                return data.read().decode("utf-8")
+    raise FileNotFoundError(f"{member} is not in the llama-cpp-python {SDIST_VERSION} sdist")
+
+
+def templates_dir() -> Path:
+    """The folder of ``*.jinja`` templates, downloading and extracting the sdist if needed."""
+    out = cache_dir() / f"llama-templates-{SDIST_VERSION}"
+    if (out / "openai-gpt-oss-120b.jinja").exists():
+        return out
     out.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tarballs[0]) as tar:
+    with tarfile.open(sdist_tarball()) as tar:
         for member in tar.getmembers():
             name = member.name.split("/", 1)[-1]
             if name.startswith(_MEMBER) and name.endswith(".jinja") and member.isfile():

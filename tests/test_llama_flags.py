@@ -3,8 +3,8 @@ pass, what each does here, and the same through `--config` and `LLAMA_ARG_*`.
 
 The flags are the ones `ServerProcess.start()` can put on a command line in llama.cpp's
 `tools/server/tests/utils.py` (the copy in the llama-cpp-python 0.3.36 sdist);
-`test_the_list_is_the_sdists` checks the list below against that file where the sdist is
-unpacked (`LLAMA_CPP_SDIST`, default /tmp/llama-src). What a flag does is written from
+`test_the_list_is_the_sdists` checks the list below against that file, read from the
+sdist (fetched from PyPI into the cache by `_llama_templates`). What a flag does is written from
 llama.cpp's `common/arg.cpp` and `tools/server/server-context.cpp`, not from our output.
 The engine's side is read back from llama.cpp itself: `llama_n_batch`/`llama_n_ubatch` of
 the context, its KV cache's own size line (K and V types) and its flash-attention line,
@@ -25,6 +25,7 @@ from typing import Any
 import openai
 import pytest
 from _hub import Hub
+from _llama_templates import sdist_text
 from conftest import ServerProcess, start_server
 
 from bmoe.engine import params
@@ -33,8 +34,6 @@ from bmoe.server import llama_flags
 from bmoe.server.llama_compat import check_flags, config_argv, env_argv
 from bmoe.server.main import build_parser
 
-SDIST = Path(os.environ.get("LLAMA_CPP_SDIST", "/tmp/llama-src"))
-UTILS = SDIST / "vendor/llama.cpp/tools/server/tests/utils.py"
 
 # Every flag utils.py's ServerProcess.start() can pass, with a value its presets or tests
 # give (a switch: None). The model's own flags (-m, --hf-*, URLs) are tested apart.
@@ -69,10 +68,7 @@ MODEL_FLAGS = ("--model", "--model-url", "--hf-repo", "--hf-file", "--mmproj-url
 
 
 def test_the_list_is_the_sdists() -> None:
-    if not UTILS.is_file():
-        pytest.skip(f"the llama-cpp-python sdist is not unpacked at {SDIST} "
-                    "(set LLAMA_CPP_SDIST)")
-    text = UTILS.read_text()
+    text = sdist_text("vendor/llama.cpp/tools/server/tests/utils.py")
     start = text[text.index("    def start("):text.index("        args = [str(arg)")]
     found = set(re.findall(r'"(--?[a-zA-Z][\w-]*)"', start))
     assert found == set(UTILS_FLAGS), (sorted(found - set(UTILS_FLAGS)),
