@@ -123,10 +123,11 @@ def render_prompt(session: Session, req: TurnRequest) -> str:
     turn generates from, and what /apply-template shows)."""
     messages = families.template_messages(session.tool_framing, req.messages)
     try:
-        return session.render(messages, tools=req.offered_tools(), enable_thinking=req.think,
+        text = session.render(messages, tools=req.offered_tools(), enable_thinking=req.think,
                               extra=req.template_kwargs or None)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e
+    return families.finish_prompt(session.tool_framing, text)
 
 
 def _prompt_tokens(session: Session, text: str,

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..chatmarkup import HERMES, QWEN3_CODER, THINK_CLOSE, THINK_OPEN, JsonObject
 from ..chatparse import OutputParser, ParseView
-from . import generic, glm, harmony, json_calls, minimax
+from . import dsml, gemma4, generic, glm, harmony, json_calls, json_lists, minimax, pythonic, seed_oss
 
 Parse = Callable[[str, bool, "list[JsonObject] | None", bool], ParseView]
 
@@ -35,6 +35,13 @@ DEEPSEEK_V31 = "deepseek_v31"
 DEEPSEEK_R1 = "deepseek_r1"
 KIMI_K2 = "kimi_k2"
 MINIMAX_M2 = "minimax_m2"
+GEMMA4 = "gemma4"
+DEEPSEEK_V32 = "deepseek_v32"
+DEEPSEEK_V4 = "deepseek_v4"
+LFM2 = "lfm2"
+SEED_OSS = "seed_oss"
+APERTUS = "apertus"
+COMMAND_R7B = "command_r7b"
 GENERIC = "generic"
 
 
@@ -62,6 +69,17 @@ FAMILIES: dict[str, Family] = {f.framing: f for f in [
            triggers=("<｜tool▁calls▁begin｜>",)),
     Family(KIMI_K2, "Kimi K2", json_calls.parse_kimi, triggers=("<|tool_calls_section_begin|>",)),
     Family(MINIMAX_M2, "MiniMax-M2", minimax.parse, triggers=("<minimax:tool_call>",)),
+    Family(GEMMA4, "Gemma 4", gemma4.parse, (f"{gemma4.CHANNEL}{gemma4.THOUGHT}", gemma4.CHANNEL_END),
+           triggers=(gemma4.CALL,)),
+    Family(DEEPSEEK_V32, "DeepSeek V3.2 (DSML)", dsml.parser(v4=False),
+           triggers=(dsml.block(v4=False)[0],)),
+    Family(DEEPSEEK_V4, "DeepSeek V4 (DSML)", dsml.parser(v4=True), triggers=(dsml.block(v4=True)[0],)),
+    Family(LFM2, "LFM2", pythonic.parse, triggers=(pythonic.SECTION,)),
+    Family(SEED_OSS, "Seed-OSS", seed_oss.parse, seed_oss.THINK, triggers=(seed_oss.SECTION,)),
+    Family(APERTUS, "Apertus", json_lists.parse_apertus, json_lists.APERTUS_THINK,
+           triggers=(json_lists.APERTUS_CALLS,)),
+    Family(COMMAND_R7B, "Command R7B", json_lists.parse_command_r7b, json_lists.R7B_THINK,
+           triggers=(json_lists.R7B_CALLS,)),
     Family(GENERIC, "Generic JSON", generic.parse),
 ]}
 
@@ -78,6 +96,9 @@ def detect(template: str) -> str | None:
         return GPT_OSS
     if "<|tool_calls_section_begin|>" in template and "<|tool_call_begin|>" in template:
         return KIMI_K2
+    named = _detect_newer(template)
+    if named is not None:
+        return named
     if "<arg_key>" in template and "<role>ASSISTANT</role>" not in template:
         return GLM45
     if "<minimax:tool_call>" in template and '<invoke name=' in template \
@@ -98,17 +119,48 @@ def detect(template: str) -> str | None:
     return None
 
 
+def _detect_newer(template: str) -> str | None:
+    """Gemma 4, DeepSeek V3.2 / V4 (DSML), LFM2, Seed-OSS, Apertus, Command R7B: each
+    by a string only its template holds (as llama.cpp's ``chat.cpp`` tells them)."""
+    if "'<|tool_call>call:'" in template:
+        return GEMMA4
+    if "dsml_token" in template and "DSML" in template and (
+            "function_calls" in template or "tool_calls" in template):
+        return DEEPSEEK_V32 if "function_calls" in template else DEEPSEEK_V4
+    if "<|tool_list_start|>" in template and "<|tool_list_end|>" in template:
+        return LFM2
+    if "List of tools: [" in template and "<|tool_list_start|>" not in template:
+        return LFM2                          # LFM2.5: the list without its markers
+    if "<seed:tool_call>" in template:
+        return SEED_OSS
+    if "<|tools_prefix|>" in template and "<|inner_prefix|>" in template:
+        return APERTUS
+    if "<|START_ACTION|>" in template and "<|START_RESPONSE|>" in template:
+        return COMMAND_R7B
+    return None
+
+
+def finish_prompt(framing: str | None, prompt: str, add_generation_prompt: bool = True) -> str:
+    """The rendered prompt as the family's model must continue it. Gemma 4's template
+    writes no model turn after a message that ends its turn beside tool results; llama.cpp
+    opens one (``<|turn>model``), so the model does not start a user turn."""
+    if framing == GEMMA4 and add_generation_prompt and prompt.endswith("<turn|>\n"):
+        return prompt + gemma4.TURN
+    return prompt
+
+
 def template_messages(framing: str | None, messages: list[JsonObject]) -> list[JsonObject]:
     """The conversation as the family's template reads it. gpt-oss reads replayed
     reasoning from ``thinking`` (and refuses it beside content on a message with calls),
-    so ``reasoning_content`` is copied there, as llama.cpp does."""
-    if framing != GPT_OSS:
+    so ``reasoning_content`` is copied there, as llama.cpp does (LFM2's templates read
+    ``thinking`` too)."""
+    if framing not in (GPT_OSS, LFM2):
         return messages
     out = []
     for msg in messages:
         if isinstance(msg, dict) and isinstance(msg.get("reasoning_content"), str):
             msg = {**msg, "thinking": msg["reasoning_content"]}
-            if msg.get("tool_calls"):
+            if msg.get("tool_calls") and framing == GPT_OSS:
                 msg.pop("content", None)
         out.append(msg)
     return out

@@ -7,8 +7,19 @@ import copy
 from typing import Any
 
 from .. import grammar as g
-from . import DEEPSEEK_R1, DEEPSEEK_V31, GENERIC, GLM45, GPT_OSS, KIMI_K2, LLAMA3, MINIMAX_M2, MISTRAL
+from . import (APERTUS, COMMAND_R7B, DEEPSEEK_R1, DEEPSEEK_V4, DEEPSEEK_V31, DEEPSEEK_V32, GEMMA4,
+               GENERIC, GLM45, GPT_OSS, KIMI_K2, LFM2, LLAMA3, MINIMAX_M2, MISTRAL, SEED_OSS,
+               reasoning_markers)
+from .dsml import DSML
 from .json_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP
+
+_XML_FAMILIES = (GLM45, MINIMAX_M2, DEEPSEEK_V32, DEEPSEEK_V4, SEED_OSS)
+# framing: (text before the list of calls, between two calls, after the list)
+_LISTED = {
+    LFM2: ("<|tool_call_start|>[", ", ", "]<|tool_call_end|>"),
+    APERTUS: ("<|tools_prefix|>[", ", ", "]<|tools_suffix|>"),
+    COMMAND_R7B: ("<|START_ACTION|>[", ", ", "]<|END_ACTION|>"),
+}
 
 
 def _json_family(framing: str, name: str) -> tuple[str, str]:
@@ -29,6 +40,10 @@ def _json_family(framing: str, name: str) -> tuple[str, str]:
         return f'{{"name": "{name}", "parameters": ', "}"
     if framing == GENERIC:
         return f'{{"tool_calls": [{{"name": "{name}", "arguments": ', "}]}"
+    if framing == APERTUS:
+        return f'{{"{name}": ', "}"
+    if framing == COMMAND_R7B:
+        return f'{{"tool_call_id": "0", "tool_name": "{name}", "parameters": ', "}"
     raise ValueError(f"no tool-call grammar for framing {framing!r}")
 
 
@@ -40,8 +55,11 @@ def family_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reas
     for i, (name, params) in enumerate(functions):
         with g._explained(g.tool_where(i, name)):
             params = conv.resolve_refs(copy.deepcopy(params), f"tool{i}")
-            if framing in (GLM45, MINIMAX_M2):
+            if framing in _XML_FAMILIES:
                 bodies.append(_xml_call(conv, framing, f"tool{i}", name, conv.deref(params)))
+                continue
+            if framing in (GEMMA4, LFM2):
+                bodies.append(_keyed_call(conv, framing, f"tool{i}", name, conv.deref(params)))
                 continue
             before, after = _json_family(framing, name)
             args = conv.visit(params, f"tool{i}")
@@ -50,8 +68,13 @@ def family_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reas
     rules = conv._rules
     rules["bmoe-call"] = "( " + " | ".join(bodies) + " )"
     rules["bmoe-gap"] = g.GAP_RULE
-    more = " ( bmoe-gap bmoe-call )*" if parallel and framing in (GLM45, MINIMAX_M2) else ""
-    rules["root"] = f"{_prefix(framing, rules, allow_reasoning, starts_in_reasoning)}bmoe-call{more}"
+    calls = "bmoe-call" + (" ( bmoe-gap bmoe-call )*"
+                           if parallel and framing in (*_XML_FAMILIES, GEMMA4) else "")
+    if framing in _LISTED:
+        before, between, after = _LISTED[framing]
+        more = f" ( {g.gbnf_literal(between)} bmoe-call )*" if parallel else ""
+        calls = f"{g.gbnf_literal(before)} bmoe-call{more} {g.gbnf_literal(after)}"
+    rules["root"] = f"{_prefix(framing, rules, allow_reasoning, starts_in_reasoning)}{calls}"
     return g._format(conv, "tools")
 
 
@@ -64,7 +87,24 @@ def _prefix(framing: str, rules: dict[str, str], allow: bool, starts_inside: boo
                 '"<|end|><|start|>assistant" )? ')
     if framing == MISTRAL:
         return ""
-    return g._reasoning_prefix(rules, allow, starts_inside)
+    opener, closer = reasoning_markers(framing)
+    if opener == g.THINK_OPEN:
+        return g._reasoning_prefix(rules, allow, starts_inside)
+    return _think_prefix(rules, opener, closer, allow, starts_inside)
+
+
+def _think_prefix(rules: dict[str, str], opener: str, closer: str, allow: bool,
+                  starts_inside: bool) -> str:
+    """`grammar._reasoning_prefix` with the family's own reasoning markers."""
+    close = f"{g.gbnf_literal(closer)} bmoe-gap "
+    if starts_inside and not allow:
+        return close
+    if not allow:
+        return ""
+    rules.update(g.text_without("bmoe-think-text", [closer]))
+    if starts_inside:
+        return "bmoe-think-text " + close
+    return f"( {g.gbnf_literal(opener)} bmoe-think-text {close})? "
 
 
 _XML = {  # framing: (call open, parameter open, parameter close, call close)
@@ -72,6 +112,14 @@ _XML = {  # framing: (call open, parameter open, parameter close, call close)
             "</tool_call>"),
     MINIMAX_M2: ('<minimax:tool_call>\n<invoke name="{name}">\n', '<parameter name="{key}">',
                  "</parameter>\n", "</invoke>\n</minimax:tool_call>"),
+    DEEPSEEK_V32: (f'<{DSML}function_calls>\n<{DSML}invoke name="{{name}}">\n',
+                   f'<{DSML}parameter name="{{key}}" string="{{string}}">', f"</{DSML}parameter>\n",
+                   f"</{DSML}invoke>\n</{DSML}function_calls>"),
+    DEEPSEEK_V4: (f'<{DSML}tool_calls>\n<{DSML}invoke name="{{name}}">\n',
+                  f'<{DSML}parameter name="{{key}}" string="{{string}}">', f"</{DSML}parameter>\n",
+                  f"</{DSML}invoke>\n</{DSML}tool_calls>"),
+    SEED_OSS: ("<seed:tool_call>\n<function={name}>\n", "<parameter={key}>", "</parameter>\n",
+               "</function>\n</seed:tool_call>"),
 }
 
 
@@ -86,15 +134,80 @@ def _xml_call(conv: Any, framing: str, rule: str, name: str, params: dict[str, A
         schema = conv.deref(properties[key])
         types = g.schema_types(schema)
         enum = schema.get("enum") if types == frozenset({"string"}) else None
+        text = True
         if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
             value = "( " + " | ".join(g.gbnf_literal(v) for v in enum) + " )"
         elif not types or "string" in types:
             value = "bmoe-arg-text"            # raw text, as GLM writes a string
         else:
-            value = conv.visit(properties[key], f"{rule}-p{i}")
+            value, text = conv.visit(properties[key], f"{rule}-p{i}"), False
+        opening = param_open.format(key=key, string="true" if text else "false")
         conv._rules[f"bmoe-{rule}-p{i}"] = " ".join([
-            g.gbnf_literal(param_open.format(key=key)), value, g.gbnf_literal(param_close)])
+            g.gbnf_literal(opening), value, g.gbnf_literal(param_close)])
         parts.append(f"bmoe-{rule}-p{i}" + ("" if key in required else "?"))
     conv._rules[f"bmoe-{rule}"] = " ".join(
         [g.gbnf_literal(call_open.format(name=name)), *parts, g.gbnf_literal(call_close)])
     return f"bmoe-{rule}"
+
+
+# -- keyed arguments: Gemma 4's {key:value} and LFM2's NAME(key=value) ------------------
+
+_GEMMA_RULES = {
+    "bmoe-gemma-value": "bmoe-gemma-string | bmoe-gemma-dict | bmoe-gemma-list | "
+                        "bmoe-gemma-number | \"true\" | \"false\" | \"null\"",
+    "bmoe-gemma-string": '"<|\\"|>" bmoe-gemma-text "<|\\"|>"',
+    "bmoe-gemma-key": "[a-zA-Z_] [a-zA-Z0-9_]{0,63}",
+    "bmoe-gemma-dict": '"{" ( bmoe-gemma-key ":" bmoe-gemma-value '
+                       '( "," bmoe-gemma-key ":" bmoe-gemma-value )* )? "}"',
+    "bmoe-gemma-list": '"[" ( bmoe-gemma-value ( "," bmoe-gemma-value )* )? "]"',
+    "bmoe-gemma-number": '"-"? ( "0" | [1-9] [0-9]{0,15} ) ( "." [0-9]{1,16} )? '
+                         '( [eE] [-+]? [0-9]{1,3} )?',
+    "bmoe-gemma-int": '"-"? ( "0" | [1-9] [0-9]{0,15} )',
+}
+
+
+def _keyed_call(conv: Any, framing: str, rule: str, name: str, params: dict[str, Any]) -> str:
+    """One call whose arguments are ``key<sep>value`` pairs joined by commas: required keys
+    first, in the schema's order, then the optional ones (each may be left out)."""
+    gemma = framing == GEMMA4
+    if gemma:
+        conv._rules.update(_GEMMA_RULES)
+        conv._rules.update(g.text_without("bmoe-gemma-text", ['<|"|>']))
+    properties = params.get("properties") or {}
+    required = [k for k in properties if k in set(params.get("required") or [])]
+    optional = [k for k in properties if k not in required]
+    pairs = []
+    for i, key in enumerate(required + optional):
+        value = (_gemma_value(conv, properties[key]) if gemma
+                 else conv.visit(properties[key], f"{rule}-p{i}"))
+        conv._rules[f"bmoe-{rule}-p{i}"] = f"{g.gbnf_literal(key + (':' if gemma else '='))} {value}"
+        pairs.append(f"bmoe-{rule}-p{i}")
+    sep = g.gbnf_literal("," if gemma else ", ")
+    head, rest = pairs[:len(required)], pairs[len(required):]
+    if not head and rest:
+        head, rest, wrap = rest[:1], rest[1:], True
+    else:
+        wrap = False
+    body = f" {sep} ".join(head) + "".join(f" ( {sep} {p} )?" for p in rest)
+    if wrap:
+        body = f"( {body} )?"
+    opening, closing = (f"<|tool_call>call:{name}{{", "}<tool_call|>") if gemma else (f"{name}(", ")")
+    conv._rules[f"bmoe-{rule}"] = f"{g.gbnf_literal(opening)} {body} {g.gbnf_literal(closing)}"
+    return f"bmoe-{rule}"
+
+
+def _gemma_value(conv: Any, schema: Any) -> str:
+    schema = conv.deref(schema) if isinstance(schema, dict) else {}
+    types = g.schema_types(schema)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "( " + " | ".join(g.gbnf_literal(f'<|"|>{v}<|"|>') for v in enum) + " )"
+    if types == frozenset({"string"}):
+        return "bmoe-gemma-string"
+    if types == frozenset({"integer"}):
+        return "bmoe-gemma-int"
+    if types == frozenset({"number"}):
+        return "bmoe-gemma-number"
+    if types == frozenset({"boolean"}):
+        return '( "true" | "false" )'
+    return "bmoe-gemma-value"
