@@ -21,7 +21,8 @@ JSON_TYPE: dict[str, type | tuple[type, ...]] = {
     "bool": bool, "int": int, "float": float, "path": str, "text": str, "choice": str}
 
 EXPECTED_ROWS = [
-    "model", "mmproj", "mmproj-auto", "chat-template", "chat-template-file", "image-max-tokens",
+    "model", "mmproj", "mmproj-auto", "chat-template", "chat-template-file",
+    "chat-template-kwargs", "image-max-tokens",
     "n-predict", "think", "ctx-size", "threads", "threads-batch", "trial-threads",
     "trial-overlap", "temp", "top-k", "top-p", "seed",
     "moe-stream", "io-threads", "o-direct", "huge-pages",
@@ -51,6 +52,8 @@ def other_value(p: Param) -> Any:
         return "10.0.0.2:50052,10.0.0.3:50052"
     if p.key == "chat-template":
         return "chatml"
+    if p.key == "chat-template-kwargs":
+        return '{"enable_thinking": false}'
     if p.type in ("path", "text"):
         return "/models/some model.gguf"
     if p.type == "float":
@@ -318,3 +321,34 @@ def test_to_args_value_that_looks_like_a_flag() -> None:
 def test_to_args_keeps_float_precision() -> None:
     values = {"temp": 0.1 + 0.2, "top-p": 0.95}
     assert parse(params.to_args(values, list(values))) == values
+
+
+@pytest.mark.parametrize("raw,reason", [
+    ("[1, 2]", "must be a JSON object such as {\"enable_thinking\": false}, not a JSON list"),
+    ("{enable_thinking: false}", "it is not JSON (line 1, column 2)"),
+    ('"x"', "not a JSON string"),
+    ('{"messages": []}', "cannot set messages: the server gives the template those itself"),
+    ('{"k": "' + "x" * 70000 + '"}', "the limit is 65,536"),
+])
+def test_chat_template_kwargs_are_a_bounded_json_object(raw: str, reason: str) -> None:
+    with pytest.raises(ValueError) as info:
+        params.parse_value(params.param("chat-template-kwargs"), raw)
+    assert reason in str(info.value) and "{chat-template-kwargs}" in str(info.value)
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    """The setting's variables under the request's own; enable_thinking false is off."""
+    from types import SimpleNamespace
+
+    from bmoe.engine.params import template_kwargs
+    from bmoe.engine.turn import TurnRequest, template_variables
+    assert params.parse_value(params.param("chat-template-kwargs"), " ") == " "
+    assert template_kwargs("") == {}
+    own = template_kwargs('{"enable_thinking": false, "thinking_budget": 512, "x": 1}')
+    session = SimpleNamespace(template_kwargs=own)
+    req = TurnRequest(messages=[{"role": "user", "content": "hi"}], template_kwargs={"x": 2})
+    think, variables = template_variables(session, req)  # type: ignore[arg-type]
+    assert think is False
+    assert variables == {"enable_thinking": False, "thinking_budget": 512, "x": 2}
+    think, _ = template_variables(SimpleNamespace(template_kwargs={}), req)  # type: ignore[arg-type]
+    assert think is True

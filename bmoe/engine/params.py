@@ -22,6 +22,7 @@ is never in the table.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -40,6 +41,10 @@ SEED_RANDOM = 4294967295
 MAX_TOKENS = 1 << 20          # the ceiling of every token count (n-predict, ctx-size)
 MAX_THREADS = 256
 MAX_TEMPLATE_CHARS = 1 << 20    # a chat template's text (real ones are ~40 KiB)
+MAX_TEMPLATE_KWARGS_CHARS = 1 << 16  # chat-template-kwargs' JSON text
+# variables the server itself gives every template: a setting cannot replace them
+TEMPLATE_OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token",
+                          "eos_token")
 PROMPT_BATCH = 512              # tokens of one prompt batch by default (llama.cpp's ubatch)
 MAX_BATCH = 16384               # the most tokens of one prompt batch: its compute buffer grows
                                 # with it (at a 150k vocabulary, 0.6 MiB a token for logits)
@@ -212,6 +217,13 @@ def _rows() -> tuple[Param, ...]:
              "Read once at load; it wins over Chat template. Set at launch only: a path "
              "the server reads is not an API setting.",
              "", launch_only=True, env="LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+        _row("chat-template-kwargs", "Template variables", "text", "model", "advanced",
+             "Extra variables for the chat template, as one JSON object (llama-server's "
+             "--chat-template-kwargs), such as {\"enable_thinking\": false}.",
+             "Every turn's template reads them; a request's own chat_template_kwargs win "
+             "over them, and enable_thinking false turns thinking off. Empty adds none; a "
+             "change takes effect at the next load.",
+             "", env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS"),
         _row("image-max-tokens", "Image tokens", "int", "model", "advanced",
              "The most tokens one image may take, for a projector whose count follows "
              "the image's size.",
@@ -599,7 +611,42 @@ def _parse_text(p: Param, raw: Any) -> str:
                          f"template text, not {_shown(raw)}")
     if p.key == "chat-template" and len(raw) > MAX_TEMPLATE_CHARS:
         raise ValueError(f"{{{p.key}}} is longer than {MAX_TEMPLATE_CHARS} characters")
+    if p.key == "chat-template-kwargs":
+        template_kwargs(raw)
     return raw
+
+
+def template_kwargs(raw: Any) -> dict[str, Any]:
+    """The template variables a ``chat-template-kwargs`` value names (``{}`` when empty).
+
+    Raises ValueError with a person's reason naming the setting as ``{chat-template-kwargs}``.
+    """
+    text = raw.strip() if isinstance(raw, str) else ""
+    if not text:
+        return {}
+    if len(text) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ValueError(f"{{chat-template-kwargs}} is {len(text):,} characters; the limit "
+                         f"is {MAX_TEMPLATE_KWARGS_CHARS:,}")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) \
+            else ""
+        raise ValueError(f"{{chat-template-kwargs}} must be a JSON object such as "
+                         f"{{\"enable_thinking\": false}}; it is not JSON{where}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{{chat-template-kwargs}} must be a JSON object such as "
+                         f"{{\"enable_thinking\": false}}, not a JSON {_json_name(value)}")
+    taken = sorted(k for k in value if k in TEMPLATE_OWN_VARIABLES)
+    if taken:
+        raise ValueError(f"{{chat-template-kwargs}} cannot set {', '.join(taken)}: the server "
+                         "gives the template those itself")
+    return value
+
+
+def _json_name(value: Any) -> str:
+    return {list: "list", str: "string", bool: "true/false", type(None): "null"}.get(
+        type(value), "number")
 
 
 _RPC_LIST = re.compile(r"^\s*(?:[^,:\s]+:\d{1,5}(?:\s*,\s*[^,:\s]+:\d{1,5})*)?\s*$")

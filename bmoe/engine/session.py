@@ -161,6 +161,7 @@ class Session:
         self.streamer: Streamer | None = None
         self._batch = None
         self.tool_framing: str | None = None
+        self.template_kwargs: dict[str, Any] = {}  # chat-template-kwargs, read at load
         self.vision: Vision | None = None
         self.trial: Trial | None = None       # the first answer's calibration (calibrate.py)
         self.rpc: Any = None                  # rpc.RpcDevices when helpers hold layers
@@ -289,6 +290,10 @@ class Session:
         self.template = (ChatTemplate(self.template_text, bos_token=self.bos_token,
                                       eos_token=self.eos_token)
                          if self.template_text else None)
+        try:
+            self.template_kwargs = params.template_kwargs(self.values.get("chat-template-kwargs"))
+        except ValueError as e:
+            raise LoadError(str(e)) from None
         self.tool_framing = self._find_tool_framing()
 
     def _template_override(self) -> tuple[str, str] | None:

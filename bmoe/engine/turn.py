@@ -105,7 +105,8 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
         raise EngineError("empty_prompt", "The conversation rendered to an empty prompt.")
     if cells >= session.n_ctx:
         raise context_full(cells, session.n_ctx)
-    starts = req.think and families.ends_inside_reasoning(session.tool_framing, text)
+    starts = template_variables(session, req)[0] and families.ends_inside_reasoning(
+        session.tool_framing, text)
     framing = session.tool_framing if req.offered_tools() else None
     grammar = choose_grammar(req, session.tool_framing, starts)
     triggers: list[int] = []
@@ -122,12 +123,22 @@ def render_prompt(session: Session, req: TurnRequest) -> str:
     """The conversation through the model's template as its family reads it (the prompt a
     turn generates from, and what /apply-template shows)."""
     messages = families.template_messages(session.tool_framing, req.messages)
+    think, variables = template_variables(session, req)
     try:
-        text = session.render(messages, tools=req.offered_tools(), enable_thinking=req.think,
-                              extra=req.template_kwargs or None)
+        text = session.render(messages, tools=req.offered_tools(), enable_thinking=think,
+                              extra=variables or None)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e
     return families.finish_prompt(session.tool_framing, text)
+
+
+def template_variables(session: Session, req: TurnRequest) -> tuple[bool, dict[str, Any]]:
+    """Whether the turn thinks, and the template's extra variables: the setting's
+    (``chat-template-kwargs``) under the request's own. The setting's enable_thinking
+    false turns thinking off, as llama-server's flag does."""
+    own = getattr(session, "template_kwargs", None) or {}
+    think = req.think and own.get("enable_thinking", True) is not False
+    return think, {**own, **req.template_kwargs}
 
 
 def _prompt_tokens(session: Session, text: str,
