@@ -8,9 +8,13 @@ downloads, site and checks as the Models page: `bmoe/models/service.py`), then l
 `-m` / `--mmproj` would load it. A fetched entry joins the catalog (`added-models.json`),
 so the next start with `--offline` finds it without the site.
 
-`--hf-repo` without `--hf-file` takes the repository's model of that quant (default
-Q4_K_M, else its first model, as llama-server chooses), and the repository's image
-projector beside it unless `--no-mmproj` or `--mmproj` says otherwise. With `--offline`
+`--hf-repo` goes through `pulling.Puller`, as `bmoe-server models pull` does: the tag's
+quantization exactly, else the preference order's first (`bmoe/models/choose.py`), said
+with the reason; the inspect verdict said before the download and a set the disk cannot
+hold refused; every shard fetched with its progress on stderr (stdout's first line
+stays the listening address); the repository's image projector beside it unless
+`--no-mmproj` or `--mmproj` says otherwise. `--hf-token`, else `HF_TOKEN`, is sent to
+the site. Ctrl-C keeps each `.part` for the next start and exits 130. With `--offline`
 nothing is fetched: a file the folders do not have ends the start, by name.
 """
 
@@ -19,25 +23,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import unquote, urlsplit
 
 import trio
 
-from ..models.catalog import Entry, quant_of
+from ..models.catalog import Entry
 from ..models.download import on_disk
 from ..models.errors import ModelsError
-from ..models.hf import RepoModel, name_role, valid_repo
+from ..models.hf import name_role, valid_repo
 from ..models.service import ModelsService
 from . import llama_flags
-
-DEFAULT_QUANT = "Q4_K_M"           # llama-server's choice when --hf-repo names none
+from .pulling import (INTERRUPTED_EXIT, LocalBackend, Puller, is_interrupt, models_error_of,
+                      with_service)
 
 
 def fetch(args: argparse.Namespace, data_dir: Path, models_dir: Path) -> dict[str, str]:
     """The `model` / `mmproj` values the command line's origins name (SystemExit, by
-    name, when one cannot be had); {} when it names none."""
+    name, when one cannot be had; exit 130 on Ctrl-C, the parts kept); {} when it names
+    none."""
     F, given = llama_flags.BY_LONG, llama_flags.given
     repo, url = given(args, F["--hf-repo"]), given(args, F["--model-url"])
     mm_url = given(args, F["--mmproj-url"])
@@ -57,10 +63,24 @@ def fetch(args: argparse.Namespace, data_dir: Path, models_dir: Path) -> dict[st
                   and not getattr(args, "mmproj", None),
                   offline=bool(given(args, F["--offline"])))
     service = _service(args, data_dir, models_dir)
+    puller = Puller(LocalBackend(service), token_of(args), sys.stderr, prefix="bmoe-server: ",
+                    pair=want.pair)
     try:
-        return trio.run(_fetch_all, service, want)
-    except ModelsError as e:
-        raise SystemExit(f"bmoe-server: {want.origin()}: {e.message}") from None
+        return trio.run(with_service, service, partial(_fetch_all, service, want, puller))
+    except BaseException as e:
+        if is_interrupt(e):
+            _say(puller.interrupted())
+            raise SystemExit(INTERRUPTED_EXIT) from None
+        refused = models_error_of(e)
+        if refused is None:
+            raise
+        raise SystemExit(f"bmoe-server: {want.origin()}: {refused.message}") from None
+
+
+def token_of(args: argparse.Namespace) -> str:
+    """--hf-token, else HF_TOKEN (as llama-server reads it)."""
+    token = llama_flags.given(args, llama_flags.BY_LONG["--hf-token"])
+    return str(token or os.environ.get("HF_TOKEN", "")).strip()
 
 
 class Wanted(SimpleNamespace):
@@ -85,17 +105,14 @@ def _service(args: argparse.Namespace, data_dir: Path, models_dir: Path) -> Mode
                                 stall_s=args.download_stall_s)
 
 
-async def _fetch_all(service: ModelsService, want: Wanted) -> dict[str, str]:
+async def _fetch_all(service: ModelsService, want: Wanted, puller: Puller) -> dict[str, str]:
     out: dict[str, str] = {}
-    async with trio.open_nursery() as nursery:
-        await nursery.start(service.run)
-        if want.repo:
-            out.update(await _from_repo(service, want))
-        elif want.url:
-            out["model"] = str(await _from_url(service, want.url, want.offline))
-        if want.mm_url:
-            out["mmproj"] = str(await _from_url(service, want.mm_url, want.offline))
-        nursery.cancel_scope.cancel()
+    if want.repo:
+        out.update(await _from_repo(service, want, puller))
+    elif want.url:
+        out["model"] = str(await _from_url(service, want.url, want.offline, puller))
+    if want.mm_url:
+        out["mmproj"] = str(await _from_url(service, want.mm_url, want.offline, puller))
     return out
 
 
@@ -111,7 +128,7 @@ def _say(line: str) -> None:
     print(f"bmoe-server: {line}", file=sys.stderr, flush=True)
 
 
-async def _from_repo(service: ModelsService, want: Wanted) -> dict[str, str]:
+async def _from_repo(service: ModelsService, want: Wanted, puller: Puller) -> dict[str, str]:
     repo, _, quant = want.repo.partition(":")
     if not valid_repo(repo):
         raise ModelsError(400, "not_a_repo", f"{repo!r} is not a repository id "
@@ -129,14 +146,7 @@ async def _from_repo(service: ModelsService, want: Wanted) -> dict[str, str]:
     if want.offline:
         raise ModelsError(404, "offline", "the models folders do not have it, and --offline "
                           "fetches nothing.")
-    models = await service.site.models(repo, "main", _token())
-    model = _choose(models, quant, want.file)
-    out = {"model": str(await _download(service, service.site.entry(repo, "main", model)))}
-    projector = next((m for m in models if m.role == "projector"), None)
-    if want.pair and projector is not None:
-        entry = service.site.entry(repo, "main", projector)
-        out["mmproj"] = str(await _download(service, entry))
-    return out
+    return await puller.pull(want.repo, want.file)
 
 
 def _known_entry(service: ModelsService, repo: str, quant: str, file: str) -> Entry | None:
@@ -153,28 +163,7 @@ def _known_entry(service: ModelsService, repo: str, quant: str, file: str) -> En
     return None
 
 
-def _choose(models: list[RepoModel], quant: str, file: str) -> RepoModel:
-    usable = [m for m in models if m.role == "model" and m.complete]
-    if file:
-        found = next((m for m in models if any(f.path == file for f in m.files)), None)
-        if found is None:
-            raise ModelsError(404, "not_found", f"the repository has no file {file!r}.")
-        return found
-    if not usable:
-        raise ModelsError(404, "not_found", "the repository has no complete GGUF model.")
-    asked = (quant or DEFAULT_QUANT).lower()
-    for m in usable:
-        if quant_of(m.name.rsplit("/", 1)[-1]).lower() == asked:
-            return m
-    if quant:
-        have = ", ".join(sorted({quant_of(m.name.rsplit("/", 1)[-1]) or m.name
-                                 for m in usable}))
-        raise ModelsError(404, "not_found", f"the repository has no {quant} model (it has "
-                          f"{have}).")
-    return usable[0]
-
-
-async def _from_url(service: ModelsService, url: str, offline: bool) -> Path:
+async def _from_url(service: ModelsService, url: str, offline: bool, puller: Puller) -> Path:
     name = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
     path = _on_hand(service, name) if name else None
     if path is not None:
@@ -184,28 +173,13 @@ async def _from_url(service: ModelsService, url: str, offline: bool) -> Path:
         raise ModelsError(404, "offline", f"the models folders have no {name or 'such file'}, "
                           "and --offline fetches nothing.")
     added = await service.add_url(url)
-    return await _download(service, service.entry(added["id"]))
+    return await _download(service, service.entry(added["id"]), puller)
 
 
-async def _download(service: ModelsService, entry: Entry) -> Path:
-    if not any(e.id == entry.id for e in service.shipped):
-        service.added.put(entry)          # the catalog lists it, and --offline finds it
+async def _download(service: ModelsService, entry: Entry, puller: Puller) -> Path:
     target = service.models_dir / entry.files[0].name
     if on_disk(entry, service.models_dir)[1]:
         _say(f"{entry.files[0].name} is in {service.models_dir}; not fetched.")
         return target
-    _say(f"fetching {entry.files[0].name} ({entry.bytes / 1e6:.1f} MB) into "
-         f"{service.models_dir} ...")
-    await service.start_download(entry.id, _token())
-    job = service.downloads.jobs[entry.id]
-    await job.finished.wait()
-    if job.state != "done":
-        raise ModelsError(502, "download_failed", f"{entry.files[0].name} could not be "
-                          f"fetched: {job.error or job.state}.")
-    _say(f"fetched {entry.files[0].name}.")
-    return target
-
-
-def _token() -> str:
-    return os.environ.get("HF_TOKEN", "").strip()
-
+    return await puller.download(entry.id, service.models_dir,
+                                 [(f.name, f.bytes) for f in entry.files])

@@ -86,6 +86,8 @@ def _flags() -> tuple[LlamaFlag, ...]:
           "there (with --offline, never)", env="LLAMA_ARG_HF_REPO", metavar="REPO"),
         F(("-hff", "--hf-file"), "the file of --hf-repo to use (instead of its quant)",
           env="LLAMA_ARG_HF_FILE", metavar="FILE"),
+        F(("-hft", "--hf-token"), "the Hugging Face token a gated --hf-repo needs (default: "
+          "HF_TOKEN)", metavar="TOKEN"),
         F(("-mu", "--model-url"), "a model file's https URL: the file of that name in the "
           "models folder, fetched first if it is not there", env="LLAMA_ARG_MODEL_URL",
           metavar="URL"),

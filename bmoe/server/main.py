@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         return service_main(argv[1:])
     if argv[:1] == ["rpc-worker"]:
         return rpc_worker_main(argv[1:])
+    if argv[:1] == ["models"]:
+        from .models_cli import main as models_main
+        return models_main(argv[1:])
     parser = build_parser()
     argv = llama_flags.respell(argv, parser)
     argv, file_lines = llama_compat.config_argv(argv, parser)
