@@ -1,8 +1,12 @@
 """Grammar-forced calls in a family's own syntax through the real engine and server.
 
-The tiny model the project makes is served with the real gpt-oss and GLM-4.6 templates
-of the pinned sdist (``--chat-template-file``): `tool_choice` required on
-/v1/chat/completions and "any" on /v1/messages must come back as structured calls.
+The tiny model the project makes is served with the real gpt-oss, GLM-4.6, Gemma 4 and
+DeepSeek V3.2 templates of the pinned sdist (``--chat-template-file``): `tool_choice`
+required on /v1/chat/completions and "any" on /v1/messages must come back as structured
+calls. The maker's vocabulary carries Qwen's special tokens only, so Gemma's and DSML's
+markup is spelled in byte tokens the grammar forces (their lazy triggers, single tokens in
+the real models, are not exercised here). The DeepSeek V3.2 server is started with
+``--chat-template-kwargs '{"enable_thinking": false}'``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,18 @@ from conftest import ServerProcess, start_server
 TOOL_PARAMS = {"type": "object", "properties": {"city": {"type": "string",
                                                           "enum": ["Paris", "Rome"]}},
                "required": ["city"], "additionalProperties": False}
-FAMILIES = {"gpt_oss": "openai-gpt-oss-120b.jinja", "glm45": "GLM-4.6.jinja"}
+FAMILIES = {"gpt_oss": "openai-gpt-oss-120b.jinja", "glm45": "GLM-4.6.jinja",
+            "gemma4": "google-gemma-4-31B-it.jinja",
+            "deepseek_v32": "deepseek-ai-DeepSeek-V3.2.jinja"}
+EXTRA = {"deepseek_v32": ["--chat-template-kwargs", '{"enable_thinking": false}']}
+# a replayed call get_weather(city="Rome") as each template writes it
+REPLAYED = {
+    "glm45": ["<tool_call>get_weather", "<arg_value>Rome</arg_value>"],
+    "gemma4": ['<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|>',
+               '<|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'],
+    "deepseek_v32": ['<｜DSML｜invoke name="get_weather">',
+                     '<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>'],
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -29,7 +44,7 @@ def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     data = tmp_path_factory.mktemp(f"family-{framing}")
     template = templates_dir() / FAMILIES[framing]
     srv = start_server(data, "-m", str(tiny_moe), "-c", "4096",
-                       "--chat-template-file", str(template))
+                       "--chat-template-file", str(template), *EXTRA.get(framing, []))
     assert srv.info()["state"] == "ready", srv.info()
     yield framing, srv
     srv.stop()
@@ -45,7 +60,7 @@ def test_the_format_is_reported(family_server: tuple[str, ServerProcess]) -> Non
 def test_required_call_on_chat_completions(family_server: tuple[str, ServerProcess]) -> None:
     _, srv = family_server
     status, _, body = srv.request("POST", "/v1/chat/completions", {
-        "model": "x", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 120,
+        "model": "x", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 400,
         "tools": [{"type": "function", "function": {"name": "get_weather",
                                                     "parameters": TOOL_PARAMS}}],
         "tool_choice": "required", "chat_template_kwargs": {"enable_thinking": False}})
@@ -61,7 +76,7 @@ def test_required_call_on_chat_completions(family_server: tuple[str, ServerProce
 def test_any_call_on_messages(family_server: tuple[str, ServerProcess]) -> None:
     _, srv = family_server
     status, _, body = srv.request("POST", "/v1/messages", {
-        "model": "x", "max_tokens": 120, "messages": [{"role": "user", "content": "Weather?"}],
+        "model": "x", "max_tokens": 400, "messages": [{"role": "user", "content": "Weather?"}],
         "tools": [{"name": "get_weather", "input_schema": TOOL_PARAMS}],
         "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"}})
     assert status == 200, body
@@ -80,7 +95,8 @@ def _events(payload: bytes) -> list[dict]:
     return out
 
 
-MARKUP = ["<|", "|>", "<tool_call>", "<arg_", "</", "to=functions"]
+MARKUP = ["<|", "|>", "<tool_call>", "<arg_", "</", "to=functions", "｜DSML｜", "<channel|>",
+          "call:"]
 
 
 def test_streamed_required_call_and_free_text(family_server: tuple[str, ServerProcess]) -> None:
@@ -89,7 +105,7 @@ def test_streamed_required_call_and_free_text(family_server: tuple[str, ServerPr
     _, srv = family_server
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL_PARAMS}}]
     status, _, payload = srv.request("POST", "/v1/chat/completions", {
-        "model": "x", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 120,
+        "model": "x", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 400,
         "stream": True, "tools": tools, "tool_choice": "required",
         "chat_template_kwargs": {"enable_thinking": False}})
     assert status == 200
@@ -127,4 +143,6 @@ def test_reasoning_effort_and_replayed_reasoning_reach_the_template(
         assert "<|channel|>analysis<|message|>Look it up.<|end|>" in prompt
         assert "to=functions.get_weather" in prompt
     else:
-        assert "<tool_call>get_weather" in prompt and "<arg_value>Rome</arg_value>" in prompt
+        assert all(piece in prompt for piece in REPLAYED[framing]), prompt[-800:]
+    if framing == "deepseek_v32":                # the setting's enable_thinking false
+        assert prompt.endswith("<think></think>"), prompt[-200:]   # not an open <think>
