@@ -125,6 +125,17 @@ def test_a_replayed_call_renders_in_the_familys_syntax(name: str) -> None:
     assert RENDERED_CALL[name] in out, out[-1500:]
 
 
+def test_seed_oss_thinking_budget_is_a_template_variable() -> None:
+    """Seed-OSS's knob is its template's ``thinking_budget`` (``--chat-template-kwargs``)."""
+    from bmoe.engine.params import template_kwargs
+    tmpl = ChatTemplate(read_template("ByteDance-Seed-OSS.jinja"), bos_token="<seed:bos>",
+                        eos_token="<seed:eos>")
+    messages = [{"role": "user", "content": "Hi"}]
+    out = tmpl.render(messages, extra=template_kwargs('{"thinking_budget": 512}'))
+    assert "thinking budget, which is 512" in out
+    assert "thinking budget" not in tmpl.render(messages)
+
+
 def test_gemma4_opens_the_model_turn_after_tool_results() -> None:
     """As llama.cpp (PR 21760): a call with content, then its result, then the prompt:
     the template closes the turn and writes no new one, so the family opens it."""
@@ -756,8 +767,8 @@ def _write(framing: str, r: str, c: str, calls: list[tuple[str, dict]]) -> tuple
 
 GENERATED = {"gpt_oss": 600, "glm45": 600, "minimax_m2": 300, "mistral": 300,
              "deepseek_v31": 300, "deepseek_r1": 300, "kimi_k2": 300, "llama3": 200,
-             "generic": 200, "gemma4": 600, "deepseek_v32": 400, "deepseek_v4": 300,
-             "lfm2": 300, "seed_oss": 300, "apertus": 300, "command_r7b": 300}
+             "generic": 200, "gemma4": 1000, "deepseek_v32": 1000, "deepseek_v4": 1000,
+             "lfm2": 1000, "seed_oss": 1000, "apertus": 1000, "command_r7b": 1000}
 
 
 @pytest.mark.parametrize("framing", sorted(GENERATED))
