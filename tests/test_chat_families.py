@@ -802,3 +802,22 @@ def test_generated_outputs_parse_back_streamed_and_whole(framing: str) -> None:
         whole = output_parser(framing, starts, FUZZ_TOOLS)
         whole.feed(text)
         assert whole.finish() == view
+
+
+def test_reasoning_format_none_keeps_the_familys_own_markers() -> None:
+    """llama-server's --reasoning-format none beside tools: the reasoning goes back into
+    the content in the family's own markers (Gemma 4's thought channel), calls still read."""
+    from bmoe.engine.turn import Prepared, TurnRequest
+    from bmoe.server.turnevents import TurnOutput
+    text = ("<|channel>thought\nLet me see.<channel|>"
+            '<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>')
+    prepared = Prepared("", [], False, "gemma4", None, 0, family="gemma4")
+    out = TurnOutput(prepared, TurnRequest(messages=[], tools=TOOLS_ANY), "revisable",
+                     reasoning_format="none")
+    for i in range(0, len(text), 3):
+        out.feed(text[i:i + 3], 1)
+    out.finish()
+    assert out.view.reasoning == ""
+    assert out.view.content == "<|channel>thought\nLet me see.\n<channel|>"
+    assert [(c.name, json.loads(c.arguments_text)) for c in out.view.tool_calls] == \
+        [("get_time", {"city": "Paris"})]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Literal, Union
 from ..engine.chatparse import (THINK_CLOSE, THINK_OPEN, AppendOnlyStream, BlockClose,
                                 BlockEvent, BlockOpen, ChatDeltaStream, ParseView,
                                 random_call_ids)
-from ..engine.families import output_parser
+from ..engine.families import output_parser, reasoning_markers
 from ..engine.errors import EngineError
 from ..engine.session import Generation, TokenEvent
 from ..engine.turn import Prepared, TurnRequest
@@ -149,8 +149,10 @@ class ReasoningKept:
     there; `deepseek-legacy`: in reasoning_content too). Tool calls are still read: then
     the content is the reasoning in its tags followed by the text."""
 
-    def __init__(self, parser: Any, fmt: str, tools: bool) -> None:
+    def __init__(self, parser: Any, fmt: str, tools: bool,
+                 markers: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)) -> None:
         self._parser = parser
+        self._markers = markers              # the family's own (Gemma 4's thought channel)
         self._keep_reasoning = fmt == "deepseek-legacy"
         self._tools = tools
         self._raw = ""
@@ -169,7 +171,8 @@ class ReasoningKept:
         if not self._tools:                  # nothing but reasoning to read: the raw text
             content = self._raw.strip()
         elif view.reasoning:
-            content = f"{THINK_OPEN}\n{view.reasoning}\n{THINK_CLOSE}\n\n{view.content}".strip()
+            opener, closer = self._markers
+            content = f"{opener}\n{view.reasoning}\n{closer}\n\n{view.content}".strip()
         else:
             content = view.content
         return ParseView(view.reasoning if self._keep_reasoning else "", content,
@@ -189,7 +192,8 @@ class TurnOutput:
         self.parser = output_parser(prepared.framing if tools else None,
                                     prepared.starts_in_reasoning, tools, prepared.family)
         if reasoning_format in REASONING_KEPT:
-            self.parser = ReasoningKept(self.parser, reasoning_format, bool(tools))
+            self.parser = ReasoningKept(self.parser, reasoning_format, bool(tools),
+                                        reasoning_markers(prepared.family))
         self.shape = shape
         new_id = new_call_id or random_call_ids()
         self._chat = ChatDeltaStream(new_id) if shape == "revisable" else None
@@ -201,7 +205,10 @@ class TurnOutput:
         """One batch of the engine's tokens; the `raw` shape skips the parser."""
         text = "".join(ev.text for ev in tokens)
         if self.shape != "raw":
-            return self.feed(text, len(tokens))
+            # asked-for log-probabilities travel beside the parser's reading, before it
+            probs: list[TurnEvent] = [RawTokens(tuple(tokens))] \
+                if any(ev.logprob is not None for ev in tokens) else []
+            return probs + self.feed(text, len(tokens))
         self.view = ParseView(content=self.view.content + text)
         return [RawTokens(tuple(tokens))]
 
