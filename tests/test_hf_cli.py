@@ -69,14 +69,15 @@ class Launched:
     """A bmoe-server started with a model's origin: stderr to a file, stdout's first line
     the address (or nothing, when the start was refused or interrupted)."""
 
-    def __init__(self, data: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, data: Path, *args: str, env: dict[str, str] | None = None,
+                 session: bool = False) -> None:
         self.log = data.parent / f"{data.name}-stderr-{time.monotonic_ns()}.txt"
         cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data),
                "--no-auto", "--threads", "1", "-c", "256", *args]
         with open(self.log, "w") as err:                # the child keeps its own copy
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                          env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                                  **(env or {})))
+                                                  **(env or {})), start_new_session=session)
         self.data = data
 
     @property
@@ -191,19 +192,25 @@ def test_a_cut_connection_is_resumed(tmp_path: Path, hub: tuple[Hub, dict[str, A
     assert "trying again" in done.stdout and f"fetched {SLOW_FILE}" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("to", ["child", "group"])
 def test_ctrl_c_keeps_the_part_and_the_next_start_resumes(
-        tmp_path: Path, hub: tuple[Hub, dict[str, Any]], site: list[str]) -> None:
+        tmp_path: Path, hub: tuple[Hub, dict[str, Any]], site: list[str], to: str) -> None:
+    """SIGINT to the server alone, and to its process group as a terminal's Ctrl-C sends
+    it (curl gets it too)."""
     h, info = hub
     size = info["slow"].stat().st_size
     h.fault(SLOW, SLOW_FILE, rate=max(1, size // 20))          # about 20 s for the file
     data = tmp_path / "data"
     part = data / "models" / f"{SLOW_FILE}.part"
-    run = Launched(data, *site, "-hf", SLOW)
+    run = Launched(data, *site, "-hf", SLOW, session=to == "group")
     deadline = time.monotonic() + 30
     while not (part.is_file() and part.stat().st_size > size // 10):
         assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr
         time.sleep(0.1)
-    run.proc.send_signal(signal.SIGINT)
+    if to == "group":
+        os.killpg(run.proc.pid, signal.SIGINT)
+    else:
+        run.proc.send_signal(signal.SIGINT)
     assert run.ended(30) == 130, run.stderr
     kept = part.stat().st_size
     assert 0 < kept < size
@@ -289,3 +296,87 @@ def test_models_verbs_through_a_running_server(
         assert "from the data folder" in local, local
     finally:
         srv.stop()
+
+
+def test_ctrl_c_on_a_pull_through_a_server_cancels_its_download_and_keeps_the_part(
+        tmp_path: Path, hub: tuple[Hub, dict[str, Any]], site: list[str]) -> None:
+    h, info = hub
+    size = info["slow"].stat().st_size
+    h.fault(SLOW, SLOW_FILE, rate=max(1, size // 20))
+    srv = models_server(tmp_path / "server-data", h)
+    port = srv.url.rsplit(":", 1)[1]
+    try:
+        folder = Path(srv.request("GET", "/api/models")[2]["models_dir"])
+        part = folder / f"{SLOW_FILE}.part"
+        cmd = [sys.executable, "-m", "bmoe.server", "models", "--data-dir",
+               str(tmp_path / "cli"), *site, "--port", port, "pull", SLOW]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not (part.is_file() and part.stat().st_size > size // 10):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, (out, err)
+        assert f"interrupted: kept {SLOW_FILE}.part" in err, err
+        row = next(r for r in srv.request("GET", "/api/models")[2]["catalog"]
+                   if r.get("repo") == SLOW)
+        assert row["status"] == "available" and row["partial"], row   # cancelled, part kept
+        kept = part.stat().st_size
+        time.sleep(1)
+        assert part.stat().st_size == kept                            # nothing writes it
+        h.clear()
+        models(tmp_path / "cli", *site, "--port", port, "pull", SLOW)
+        assert sha(folder / SLOW_FILE) == sha(info["slow"])
+        (resumed,) = fetched(h)
+        assert int(resumed["range"][6:].split("-")[0]) >= kept, resumed
+    finally:
+        srv.stop()
+
+
+# -- the choice and the progress, without the network -----------------------------------
+
+def _row(name: str, role: str = "model", complete: bool = True) -> dict[str, Any]:
+    return {"name": name, "role": role, "complete": complete, "files": [{"path": name}]}
+
+
+def test_the_choice_of_a_quantization() -> None:
+    from bmoe.models.choose import choose, projector
+    from bmoe.models.errors import ModelsError
+    rows = [_row("m-Q8_0.gguf"), _row("m-Q4_0.gguf"), _row("m-Q4_K_M.gguf", complete=False),
+            _row("sub/m-IQ4_XS-00001-of-00002.gguf"), _row("mmproj-m-Q8_0.gguf", "projector"),
+            _row("mmproj-m-F16.gguf", "projector")]
+    assert choose("o/r", rows).name == "m-Q4_0.gguf"        # Q4_K_M is not whole
+    assert "the first of the preference order" in choose("o/r", rows).why
+    assert choose("o/r", rows, "q8_0").name == "m-Q8_0.gguf"
+    assert choose("o/r", rows, "IQ4_XS").name == "sub/m-IQ4_XS-00001-of-00002.gguf"
+    with pytest.raises(ModelsError) as missing:
+        choose("o/r", rows, "Q2_K")
+    assert missing.value.message == "o/r has no Q2_K model (it has Q8_0, Q4_0, IQ4_XS)."
+    assert choose("o/r", rows, file="m-Q8_0.gguf").name == "m-Q8_0.gguf"
+    with pytest.raises(ModelsError):
+        choose("o/r", rows, file="m-Q4_K_M.gguf")               # a set with shards missing
+    assert choose("o/r", [_row("odd.gguf"), _row("x-Q3_K_XL.gguf")]).name == "odd.gguf"
+    assert projector(rows, rows[0])["name"] == "mmproj-m-F16.gguf"
+    assert projector(rows[:2], rows[0]) is None
+
+
+def test_plain_progress_lines_per_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    from bmoe.server import progress
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    view = progress.open_view(out, [("a-00001-of-00002.gguf", 4_000_000),
+                                    ("a-00002-of-00002.gguf", 2_000_000)])
+    for t, got in ((1, 1_000_000), (1.5, 2_000_000), (3.5, 3_000_000), (4, 4_500_000),
+                   (7, 6_000_000)):
+        clock[0] = t
+        view.update(got)
+    view.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "a-00001-of-00002.gguf: 1.0 MB of 4.0 MB (25%), 1.0 MB/s, 3 s left"
+    assert "a-00001-of-00002.gguf: 4.0 MB, whole" in lines
+    assert lines[-1] == "a-00002-of-00002.gguf: 2.0 MB, whole"
+    assert len(lines) == 5, lines                 # at most one line per shard each 2 s
+    assert progress.shard_bytes([("a", 4), ("b", 2)], 5) == [4, 1]

@@ -75,7 +75,7 @@ class PlainView:
             if size and got >= size:
                 self.whole.add(i)
                 self._say(f"{name}: {mb(size)}, whole")
-            elif now - self.shown.get(i, 0.0) >= PLAIN_EVERY_S:
+            elif i not in self.shown or now - self.shown[i] >= PLAIN_EVERY_S:
                 self.shown[i] = now
                 self._say(self._line(name, got, size))
 
