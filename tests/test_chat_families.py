@@ -821,3 +821,17 @@ def test_reasoning_format_none_keeps_the_familys_own_markers() -> None:
     assert out.view.content == "<|channel>thought\nLet me see.\n<channel|>"
     assert [(c.name, json.loads(c.arguments_text)) for c in out.view.tool_calls] == \
         [("get_time", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("framing,text", [
+    ("gemma4", "<|tool_call>call:f{a:" + "{a:" * 5000 + "1" + "}" * 5001 + "<tool_call|>"),
+    ("lfm2", "<|tool_call_start|>[f(a=" + "[" * 5000 + "]" * 5000 + ")]<|tool_call_end|>"),
+    ("deepseek_v32", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter '
+     'name="a" string="false">' + "[" * 100000 + "]" * 100000 + "</｜DSML｜parameter>\n"
+     "</｜DSML｜invoke>\n</｜DSML｜function_calls>"),
+    ("seed_oss", "<seed:tool_call>\n<function=f>\n<parameter=a>" + "[" * 100000 + "]" * 100000
+     + "</parameter>\n</function>\n</seed:tool_call>"),
+])
+def test_arguments_nested_past_the_stack_do_not_break_the_turn(framing: str, text: str) -> None:
+    view = _whole(framing, text, False)
+    assert all(c.name == "f" for c in view.tool_calls)

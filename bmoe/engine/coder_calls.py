@@ -92,7 +92,7 @@ def coerce_parameter(raw: str, types: frozenset[str]) -> str:
     text = raw.strip()
     try:
         value = json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):     # nested past the parser's depth: text
         return json.dumps(raw, ensure_ascii=False)
     if isinstance(value, str) or not _fits(value, types):
         return json.dumps(raw, ensure_ascii=False)

@@ -83,7 +83,10 @@ def _calls(text: str, partial: bool) -> list[ToolCallView]:
                 calls.append(ToolCallView(body[len(PREFIX):].strip(), "{}", True))
             continue
         name = body[len(PREFIX):brace].strip()
-        read = read_value(body, brace)
+        try:
+            read = read_value(body, brace)
+        except RecursionError:                          # nested past Python's stack
+            read = None
         if read is None:
             if not open_:
                 calls.append(ToolCallView(name, "{}", True))
