@@ -1,12 +1,13 @@
 """Grammar-forced calls in a family's own syntax through the real engine and server.
 
-The tiny model the project makes is served with the real gpt-oss, GLM-4.6, Gemma 4 and
-DeepSeek V3.2 templates of the pinned sdist (``--chat-template-file``): `tool_choice`
-required on /v1/chat/completions and "any" on /v1/messages must come back as structured
-calls. The maker's vocabulary carries Qwen's special tokens only, so Gemma's and DSML's
-markup is spelled in byte tokens the grammar forces (their lazy triggers, single tokens in
-the real models, are not exercised here). The DeepSeek V3.2 server is started with
-``--chat-template-kwargs '{"enable_thinking": false}'``.
+The tiny model the project makes is served with the real gpt-oss, GLM-4.6, Gemma 4,
+DeepSeek V3.2, Seed-OSS, LFM2.5, Apertus and Command R7B templates of the pinned sdist
+(``--chat-template-file``): `tool_choice` required on /v1/chat/completions and "any" on
+/v1/messages must come back as structured calls. The maker's vocabulary carries Qwen's
+special tokens only, so the other families' markup is spelled in byte tokens the grammar
+forces (their lazy triggers, single tokens in the real models, are not exercised here).
+The DeepSeek V3.2 server is started with ``--chat-template-kwargs '{"enable_thinking":
+false}'``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ TOOL_PARAMS = {"type": "object", "properties": {"city": {"type": "string",
                "required": ["city"], "additionalProperties": False}
 FAMILIES = {"gpt_oss": "openai-gpt-oss-120b.jinja", "glm45": "GLM-4.6.jinja",
             "gemma4": "google-gemma-4-31B-it.jinja",
-            "deepseek_v32": "deepseek-ai-DeepSeek-V3.2.jinja"}
+            "deepseek_v32": "deepseek-ai-DeepSeek-V3.2.jinja", "seed_oss": "ByteDance-Seed-OSS.jinja",
+            "lfm2": "LFM2.5-8B-A1B.jinja", "apertus": "Apertus-8B-Instruct.jinja",
+            "command_r7b": "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja"}
 EXTRA = {"deepseek_v32": ["--chat-template-kwargs", '{"enable_thinking": false}']}
 # a replayed call get_weather(city="Rome") as each template writes it
 REPLAYED = {
@@ -34,6 +37,10 @@ REPLAYED = {
                '<|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'],
     "deepseek_v32": ['<｜DSML｜invoke name="get_weather">',
                      '<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>'],
+    "seed_oss": ["<seed:tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>"],
+    "lfm2": ["<think>Look it up.</think><|tool_call_start|>[get_weather(city='Rome')]"],
+    "apertus": ['<|tools_prefix|>[{"get_weather": {"city": "Rome"}}]<|tools_suffix|>'],
+    "command_r7b": ['"tool_name": "get_weather", "parameters": {"city": "Rome"}'],
 }
 
 
