@@ -357,7 +357,8 @@ def test_the_choice_of_a_quantization() -> None:
     with pytest.raises(ModelsError):
         choose("o/r", rows, file="m-Q4_K_M.gguf")               # a set with shards missing
     assert choose("o/r", [_row("odd.gguf"), _row("x-Q3_K_XL.gguf")]).name == "odd.gguf"
-    assert projector(rows, rows[0])["name"] == "mmproj-m-F16.gguf"
+    paired = projector(rows, rows[0])
+    assert paired is not None and paired["name"] == "mmproj-m-F16.gguf"
     assert projector(rows[:2], rows[0]) is None
 
 
