@@ -325,7 +325,7 @@ def llama_cases() -> list[Case]:
         "json_schema": [1, "x", [], True],
         "mirostat": [1, 2], "typical_p": [0.5], "samplers": [["top_k"], "x"],
         "stream": ["yes", 1], "ignore_eos": ["yes", 1], "cache_prompt": [1, "x"],
-        "id_slot": [1, 5, "x"], "post_sampling_probs": [True, "x"],
+        "id_slot": [5, "x", -2, True], "post_sampling_probs": ["x"],
     }
     lenient: dict[str, list[Any]] = {
         "prompt": ["", "\u0000" * 100, "\ud800", "x" * 100_000, [0, "\ud800", 575]],

@@ -194,6 +194,12 @@ def test_logit_bias_keeps_out_and_forces(srv: ServerProcess) -> None:
     never = complete(srv, temperature=0, n_predict=6, return_tokens=True,
                      logit_bias=[[first, False]])
     assert first not in never["tokens"]
+    # a text names each of its tokens (llama-server's reading), in both forms
+    text = complete(srv, temperature=0, n_predict=6)["content"]
+    ids = post(srv, "/tokenize", {"content": text})[1]["tokens"]
+    for bias in ([[text, -100]], {text: -100}):
+        out = complete(srv, temperature=0, n_predict=6, return_tokens=True, logit_bias=bias)
+        assert not set(ids) & set(out["tokens"]), (bias, ids, out["tokens"])
 
 
 def test_ignore_eos_runs_to_the_limit(srv: ServerProcess) -> None:
@@ -212,9 +218,10 @@ def test_grammar_and_json_schema(srv: ServerProcess) -> None:
 
 def test_unsupported_fields_are_refused_by_name(srv: ServerProcess) -> None:
     for field, value in (("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8),
-                         ("xtc_probability", 0.5), ("post_sampling_probs", True),
+                         ("xtc_probability", 0.5), ("post_sampling_probs", "yes"),
                          ("samplers", ["top_k"]), ("n_predict", -2), ("n_probs", 1000),
-                         ("top_p", 2), ("temperature", "hot"), ("id_slot", 3)):
+                         ("top_p", 2), ("temperature", "hot"), ("id_slot", 3),
+                         ("id_slot", "x"), ("id_slot", -2)):
         status, payload = post(srv, "/completion", {"prompt": "x", field: value})
         assert status == 400 and is_llama_error(payload, 400), (field, payload)
         assert field in payload["error"]["message"], (field, payload)
@@ -227,7 +234,7 @@ def test_bad_token_ids_are_400_naming_the_field(srv: ServerProcess) -> None:
                               ("/completion", {"prompt": [-1]}, "prompt"),
                               ("/completion", {"prompt": "x", "logit_bias": {"99999": 1}},
                                "logit_bias"),
-                              ("/completion", {"prompt": "x", "logit_bias": {"hello": 1}},
+                              ("/completion", {"prompt": "x", "logit_bias": {"": 1}},
                                "logit_bias"),
                               ("/detokenize", {"tokens": [N_VOCAB]}, "tokens"),
                               ("/detokenize", {"tokens": [2**40]}, "tokens")):
@@ -333,7 +340,7 @@ def test_props_and_slots(srv: ServerProcess, tiny_moe: Path) -> None:
     assert status == 501 and is_llama_error(payload, 501)
     status, _, slots = srv.request("GET", "/slots")
     assert status == 200 and len(slots) == 1
-    assert {"id", "n_ctx", "is_processing", "params", "next_token"} <= set(slots[0])
+    assert {"id", "n_ctx", "is_processing", "next_token"} <= set(slots[0]) and "params" not in slots[0]
     status, payload = post(srv, "/slots/0?action=save", {"filename": "x.bin"})
     assert status == 501 and is_llama_error(payload, 501)
 
@@ -521,10 +528,14 @@ bias_values = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=3
 def test_logit_bias_property(srv: ServerProcess, bias: dict[str, Any]) -> None:
     status, payload = post(srv, "/completion", {"prompt": "x", "n_predict": 1,
                                                 "logit_bias": bias})
-    def ok(k: str, v: Any) -> bool:
-        id_ok = k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < N_VOCAB
-        return id_ok and (v is False or abs(v) <= 100)
-    valid = len({int(k) for k in bias if k.isascii() and k.isdigit()} ) == len(bias) and \
+    def is_id(k: str) -> bool:
+        return k.isascii() and k.isdigit()
+
+    def ok(k: str, v: Any) -> bool:         # an id of the vocabulary, or a text (its tokens)
+        key_ok = (len(k) <= 10 and int(k) < N_VOCAB) if is_id(k) else 1 <= len(k) <= 256
+        return key_ok and (v is False or abs(v) <= 100)
+    id_keys = [k for k in bias if is_id(k)]
+    valid = len({int(k) for k in id_keys}) == len(id_keys) and \
         all(ok(k, v) for k, v in bias.items())
     assert status == (200 if valid else 400), (bias, payload)
     assert alive(srv)
@@ -635,25 +646,43 @@ def test_server_starts_from_llama_variables(tmp_path: Path, tiny_moe: Path) -> N
     assert "-ngl 99 has no effect" in text and KEY not in text
 
 
-def test_parallel_is_taken_and_one_turn_runs_at_a_time(tmp_path: Path, tiny_moe: Path) -> None:
+def test_parallel_makes_slots_that_split_the_context(tmp_path: Path, tiny_moe: Path) -> None:
+    """--parallel 4 -c 1024: four slots of 256 tokens each, as llama-server makes them
+    without --kv-unified; one turn runs at a time on them, and /props, /slots and the
+    engine's own context say the same."""
     err = tmp_path / "stderr.txt"
     with err.open("w") as errf:
         proc = subprocess.Popen([sys.executable, "-m", "bmoe.server", "--port", "0",
                                  "--data-dir", str(tmp_path / "data"), "--threads", "1",
-                                 "--no-auto", "-m", str(tiny_moe), "-c", "512", "-np", "4"],
+                                 "--no-auto", "-m", str(tiny_moe), "-c", "1024", "-np", "4"],
                                 stdout=subprocess.PIPE, stderr=errf, text=True)
         assert proc.stdout is not None
         line = proc.stdout.readline()
         srv = ServerProcess(proc, line.split("listening on", 1)[1].strip(), tmp_path)
         try:
             srv.wait_state("ready")
-            assert srv.request("GET", "/props")[2]["total_slots"] == 1     # what is true
-            assert len(srv.request("GET", "/slots")[2]) == 1
+            props = srv.request("GET", "/props")[2]
+            assert props["total_slots"] == 4, props
+            assert props["default_generation_settings"]["n_ctx"] == 256, props
+            assert srv.info()["model"]["n_ctx"] == 256                  # the engine's own
+            listed = srv.request("GET", "/slots")[2]
+            assert [s["id"] for s in listed] == [0, 1, 2, 3], listed
+            assert all(s["n_ctx"] == 256 and not s["is_processing"] for s in listed)
+            status, _, body = srv.request("POST", "/completion", {"prompt": "hi",
+                                                                 "n_predict": 2, "id_slot": 3})
+            assert status == 200 and body["id_slot"] == 3, body
+            status, _, body = srv.request("POST", "/completion", {"prompt": "hi",
+                                                                 "n_predict": 2, "id_slot": 4})
+            assert status == 400 and "id_slot" in body["error"]["message"], body
+            status, _, body = srv.request("POST", "/completion", {"prompt": "hi " * 400,
+                                                                 "n_predict": 2})
+            assert status == 400, body                                  # past the slot's 256
         finally:
             srv.stop()
     said = [x for x in err.read_text().splitlines() if "--parallel" in x]
-    assert said == ["bmoe-server: --parallel 4: this server serves one turn at a time; the "
-                    "others wait in line (/props total_slots is 1)."], said
+    assert said == ["bmoe-server: --parallel 4: 4 slots, 256 tokens of context each (-c 1024 "
+                    "split, as llama-server splits it without --kv-unified); this server "
+                    "serves one turn at a time, the others wait in line."], said
 
 
 # -- compressed request bodies (the cap holds before and after decoding) -------------

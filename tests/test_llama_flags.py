@@ -356,7 +356,7 @@ def test_alias_no_ui_and_no_slots(everything: tuple[ServerProcess, str]) -> None
     assert listed["data"][0]["aliases"] == ["tinyllama-2"] and listed["data"][0]["tags"] == ["a", "b"]
     assert srv.request("GET", "/v1/models/tinyllama-2")[0] == 200
     status, _, props = srv.request("GET", "/props")
-    assert props["model_alias"] == "tinyllama-2" and props["total_slots"] == 1
+    assert props["model_alias"] == "tinyllama-2" and props["total_slots"] == 2
     assert props["endpoint_slots"] is False and props["ui"] is False
     assert props["endpoint_metrics"] is True
     sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)

@@ -43,7 +43,9 @@ class Sampling:
     seed: int = SEED_RANDOM
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias); -inf keeps it out
+    logit_bias_text: tuple[tuple[str, float], ...] = ()  # (text, bias): each of its tokens
     n_probs: int = 0
+    post_sampling_probs: bool = False   # n_probs after the samplers (probabilities), not before
     stop: tuple[str, ...] = ()
 
     def with_seed(self, seed: int) -> "Sampling":
@@ -55,7 +57,8 @@ class Sampling:
                 "min_p": self.min_p, "repeat_penalty": self.repeat_penalty,
                 "repeat_last_n": self.repeat_last_n, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "seed": self.seed,
-                "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stop": list(self.stop),
+                "ignore_eos": self.ignore_eos, "n_probs": self.n_probs,
+                "post_sampling_probs": self.post_sampling_probs, "stop": list(self.stop),
                 "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else False}
                                for t, b in self.logit_bias],
                 "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}
@@ -79,13 +82,23 @@ def eog_ids(session: Any) -> list[int]:
     return cached
 
 
-def build_chain(session: Any, s: Sampling, grammar_sampler: Any, prompt: list[int]) -> Any:
-    """A llama.cpp sampler chain for `s` (engine thread). The caller frees it."""
+def chain_biases(session: Any, s: Sampling) -> dict[int, float]:
+    """The logit biases the chain adds: the request's ids, each token of its texts (as
+    llama-server reads a text key), and -inf on end-of-generation with `ignore_eos`."""
     check_tokens([t for t, _ in s.logit_bias], session.n_vocab, "logit_bias")
-    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     bias = dict(s.logit_bias)
+    for text, b in s.logit_bias_text:
+        for t in session.tokenize(text, special=False, add_special=False):
+            bias[t] = b
     if s.ignore_eos:
         bias.update({t: -math.inf for t in eog_ids(session)})
+    return bias
+
+
+def build_chain(session: Any, s: Sampling, grammar_sampler: Any, prompt: list[int]) -> Any:
+    """A llama.cpp sampler chain for `s` (engine thread). The caller frees it."""
+    bias = chain_biases(session, s)
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     if bias:
         arr = (lc.llama_logit_bias * len(bias))()
         for i, (t, b) in enumerate(bias.items()):
@@ -130,3 +143,41 @@ def top_logprobs(row: Any, chosen: int, n: int) -> tuple[float, list[tuple[int, 
     idx = np.argpartition(-row, k - 1)[:k]
     idx = idx[np.argsort(-row[idx], kind="stable")]
     return float(row[chosen] - logz), [(int(i), float(row[i] - logz)) for i in idx]
+
+
+def post_sampling_logprobs(row: Any, s: Sampling, chosen: int, n: int,
+                           biases: Any = ()) -> tuple[float, list[tuple[int, float]]]:
+    """As `top_logprobs`, but over what the samplers leave (llama-server's
+    `post_sampling_probs`): the logit biases added, then top-k, top-p and min-p keep their
+    ids and the temperature reshapes them, in the chain's order (`build_chain`); the
+    distribution the id was drawn from, most likely first, at most `n` ids. Greedy
+    sampling draws from one id (probability 1). `biases`: the (id, bias) pairs the chain
+    adds (`chain_biases`). The repetition penalties are not replayed here (they are off
+    by default)."""
+    import numpy as np
+    if s.temperature <= 0:
+        return 0.0, [(chosen, 0.0)]
+    x = row.astype(np.float64)
+    for tok, bias in biases:
+        if 0 <= tok < x.shape[0]:
+            x[tok] += bias
+    order = np.argsort(-x, kind="stable")
+    order = order[np.isfinite(x[order])]
+    if s.top_k > 0:
+        order = order[:s.top_k]
+
+    def softmax(values: Any) -> Any:
+        e = np.exp(values - values.max())
+        return e / e.sum()
+    if s.top_p < 1.0 and order.size > 1:
+        cum = np.cumsum(softmax(x[order]))
+        keep = int(np.searchsorted(cum, s.top_p, side="left")) + 1
+        order = order[:max(1, keep)]
+    if s.min_p > 0.0 and order.size > 1:
+        kept = x[order] >= x[order[0]] + math.log(s.min_p)
+        order = order[kept] if kept.any() else order[:1]
+    logp = np.log(softmax(x[order] / s.temperature))
+    found = np.nonzero(order == chosen)[0]
+    chosen_lp = float(logp[found[0]]) if found.size else -math.inf
+    k = min(n, order.size)
+    return chosen_lp, [(int(order[i]), float(logp[i])) for i in range(k)]

@@ -36,7 +36,8 @@ from .errors import EngineError, LoadError, context_full
 from . import builtin_templates, kernels, params
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
-from .sampling import Sampling, build_chain, top_logprobs
+from .sampling import (Sampling, build_chain, chain_biases, post_sampling_logprobs,
+                       top_logprobs)
 from .templating import ChatTemplate, TemplateError
 from .vision import Vision, open_vision, reuse_start
 
@@ -568,6 +569,8 @@ class Session:
                      on_token: Callable[[TokenEvent], None],
                      sampling: Sampling | None = None) -> Generation:
         n_probs = sampling.n_probs if sampling is not None else 0
+        post = sampling is not None and sampling.post_sampling_probs and n_probs > 0
+        biases = list(chain_biases(self, sampling).items()) if post and sampling else []
         stops = _StopWatch(sampling.stop if sampling is not None else ())
         out: list[int] = []
         pieces: list[str] = []
@@ -585,7 +588,12 @@ class Session:
                 if self.streamer is not None:
                     self.streamer.token_begin()
                 tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
-                probs = top_logprobs(self.logits_row(), tok, n_probs) if n_probs else None
+                probs = None
+                if post and sampling is not None:
+                    probs = post_sampling_logprobs(self.logits_row(), sampling, tok, n_probs,
+                                                   biases)
+                elif n_probs:
+                    probs = top_logprobs(self.logits_row(), tok, n_probs)
                 if self.is_eog(tok):
                     finish = "stop"
                     break

@@ -116,8 +116,14 @@ def is_loopback_name(name: str) -> bool:
         return False
 
 
+def bound_names(bound_host: str) -> list[str]:
+    """The names a ``--host`` value lists (several, comma-separated)."""
+    return [h.strip().strip("[]").lower() for h in bound_host.split(",") if h.strip()] \
+        or [bound_host.strip("[]").lower()]
+
+
 def is_loopback_binding(bound_host: str) -> bool:
-    return is_loopback_name(bound_host.strip("[]").lower())
+    return all(is_loopback_name(name) for name in bound_names(bound_host))
 
 
 def _host_is_ours(host: str | None, request: Request, policy: AccessPolicy) -> bool:
@@ -129,7 +135,7 @@ def _host_is_ours(host: str | None, request: Request, policy: AccessPolicy) -> b
     name, port = parsed
     if (port if port is not None else 80) != policy.port:
         return False
-    own = {policy.bound_host.strip("[]").lower(), request.local[0].split("%", 1)[0].lower()}
+    own = {*bound_names(policy.bound_host), request.local[0].split("%", 1)[0].lower()}
     return is_loopback_name(name) or name in own
 
 

@@ -130,11 +130,19 @@ def configure_listening_socket(sock: stdsocket.socket | trio.socket.SocketType) 
             sock.setsockopt(stdsocket.IPPROTO_TCP, option, value)
 
 
+def host_names(host: str) -> list[str]:
+    """The names a ``--host`` value lists (comma-separated; ``[::1]`` read as ``::1``)."""
+    return [h.strip().strip("[]") for h in host.split(",") if h.strip()] or [host]
+
+
 async def bind_listening_sockets(host: str, port: int) -> list[trio.socket.SocketType]:
     """One listening socket per address ``host`` resolves to, all on the same port
-    (with port 0, the one the first socket took)."""
-    infos = await trio.socket.getaddrinfo(host, port, type=stdsocket.SOCK_STREAM,
-                                          flags=stdsocket.AI_PASSIVE)
+    (with port 0, the one the first socket took). ``host`` may list several names or
+    addresses, comma-separated (``127.0.0.1,::1``), as llama-server's ``--host`` does."""
+    infos = []
+    for name in host_names(host):
+        infos += await trio.socket.getaddrinfo(name, port, type=stdsocket.SOCK_STREAM,
+                                               flags=stdsocket.AI_PASSIVE)
     addresses = list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in infos))
     sockets: list[trio.socket.SocketType] = []
     try:

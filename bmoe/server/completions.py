@@ -28,14 +28,14 @@ from typing import Annotated, Any
 from pydantic import StrictBool, StrictStr
 
 from ..engine.errors import EngineError
-from ..engine.sampling import (LOGIT_BIAS_ENTRIES_MAX, LOGIT_BIAS_MAX, N_PROBS_MAX,
-                               SEED_RANDOM, Sampling)
+from ..engine.sampling import LOGIT_BIAS_ENTRIES_MAX, LOGIT_BIAS_MAX, N_PROBS_MAX, SEED_RANDOM, Sampling
 from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import choices, turnservice, wire
 from .choices import Tally
+from .llama_options import slot_count
 from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import Failed, Finished, Ping, RawTokens, Shape, Started, TurnEvent, Waiting
@@ -44,6 +44,7 @@ I32_MAX = 2**31 - 1
 PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)
 PROMPT_STRINGS_MAX = 4096        # strings among them: each is one tokenizer call
 STOP_WORDS_MAX = 16
+SLOTS_MAX = 1 << 16              # an `id_slot` past any --parallel
 STOP_WORD_CHARS_MAX = 256
 
 
@@ -96,8 +97,20 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         if body.get(name):
             raise invalid_request(f"`{name}` is not supported by this server; leave it out.")
     slot = body.get("id_slot")
-    if slot is not None and slot not in (-1, 0):
-        raise invalid_request("`id_slot` must be 0 or -1: this server has one slot.")
+    if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)
+                             or not -1 <= slot < SLOTS_MAX):
+        raise invalid_request("`id_slot` must be a slot's number (0 up), or -1 for any.")
+
+
+def read_slot(body: dict[str, Any], slots: int) -> int:
+    """The slot a request names (`id_slot`; -1 or none: slot 0), 400 past the last one."""
+    slot = body.get("id_slot")
+    if slot is None or slot == -1:
+        return 0
+    if slot >= slots:
+        raise invalid_request(f"`id_slot` {slot} is not a slot: this server has {slots} "
+                              f"(0 to {slots - 1}; --parallel sets how many).")
+    return int(slot)
 
 
 def read_prompt(value: Any, field: str = "prompt") -> list[str | int]:
@@ -132,34 +145,45 @@ def read_prompt(value: Any, field: str = "prompt") -> list[str | int]:
     raise invalid_request(f"`{field}` must be a string, token ids, or a list of both.")
 
 
-def read_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's object {"id": bias} or llama-server's [[id, bias], ...]; a bias is a
+LOGIT_BIAS_TEXT_CHARS_MAX = 256     # a text key of logit_bias (its tokens take the bias)
+
+
+def read_logit_bias(value: Any) -> tuple[tuple[tuple[int, float], ...],
+                                         tuple[tuple[str, float], ...]]:
+    """OpenAI's object {"id": bias} or llama-server's [[id, bias], ...]; a key may also be
+    a text, whose every token takes the bias (as llama-server reads it). A bias is a
     number in -100..100, or false (never this token). Ids are checked against the
-    vocabulary on the engine thread."""
+    vocabulary, and texts tokenized, on the engine thread. Answers (ids, texts)."""
     if value is None:
-        return ()
+        return (), ()
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, list):
         pairs = []
         for i, pair in enumerate(value):
             if not (isinstance(pair, list) and len(pair) == 2):
-                raise invalid_request(f"`logit_bias[{i}]` must be a pair [token id, bias].")
-            if isinstance(pair[0], str):
-                raise invalid_request(f"`logit_bias[{i}]` names a token by its text; give its "
-                                      "id (POST /tokenize finds it).")
+                raise invalid_request(f"`logit_bias[{i}]` must be a pair [token id or text, "
+                                      "bias].")
             pairs.append((pair[0], pair[1]))
     else:
-        raise invalid_request("`logit_bias` must be an object of token ids to numbers.")
+        raise invalid_request("`logit_bias` must be an object of token ids (or texts) to "
+                              "numbers, or a list of [id or text, bias] pairs.")
     if len(pairs) > LOGIT_BIAS_ENTRIES_MAX:
         raise invalid_request(f"`logit_bias` has more than {LOGIT_BIAS_ENTRIES_MAX} entries.")
-    out: dict[int, float] = {}
+    ids: dict[int, float] = {}
+    texts: dict[str, float] = {}
     for key, bias in pairs:
+        if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+            if not key or len(key) > LOGIT_BIAS_TEXT_CHARS_MAX:
+                raise invalid_request(f"`logit_bias` text keys are 1 to "
+                                      f"{LOGIT_BIAS_TEXT_CHARS_MAX} characters.")
+            texts[key] = _bias(bias, key)
+            continue
         tok = _token_key(key)
-        if tok in out:
+        if tok in ids:
             raise invalid_request(f"`logit_bias` names the token {tok} twice.")
-        out[tok] = _bias(bias, tok)
-    return tuple(out.items())
+        ids[tok] = _bias(bias, tok)
+    return tuple(ids.items()), tuple(texts.items())
 
 
 def _token_key(key: Any) -> int:
@@ -168,20 +192,21 @@ def _token_key(key: Any) -> int:
     elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
         tok = int(key)
     else:
-        raise invalid_request(f"`logit_bias` key {str(key)[:40]!r} is not a token id: give "
-                              "token ids, not text.")
+        raise invalid_request(f"`logit_bias` key {str(key)[:40]!r} is not a token id or a "
+                              "text.")
     if not 0 <= tok <= I32_MAX:
         raise invalid_request(f"`logit_bias` key {tok} is not a token id.")
     return tok
 
 
-def _bias(bias: Any, tok: int) -> float:
+def _bias(bias: Any, tok: int | str) -> float:
+    what = f"token {tok}" if isinstance(tok, int) else f"{tok[:40]!r}"
     if bias is False:
         return -math.inf
     if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-        raise invalid_request(f"`logit_bias` for token {tok} must be a number or false.")
+        raise invalid_request(f"`logit_bias` for {what} must be a number or false.")
     if abs(bias) > LOGIT_BIAS_MAX:
-        raise invalid_request(f"`logit_bias` for token {tok} must be between -100 and 100.")
+        raise invalid_request(f"`logit_bias` for {what} must be between -100 and 100.")
     return float(bias)
 
 
@@ -199,6 +224,7 @@ def read_sampling(body: dict[str, Any], parsed: CompletionBody) -> Sampling:
     def given(value: Any, default: Any) -> Any:
         return default if value is None else value
     seed = given(parsed.seed, -1)
+    bias_ids, bias_texts = read_logit_bias(body.get("logit_bias"))
     return Sampling(
         temperature=given(parsed.temperature, 0.8),
         top_k=given(parsed.top_k, 40),
@@ -210,8 +236,9 @@ def read_sampling(body: dict[str, Any], parsed: CompletionBody) -> Sampling:
         frequency_penalty=given(parsed.frequency_penalty, 0.0),
         seed=SEED_RANDOM if seed == -1 else seed,
         ignore_eos=bool(parsed.ignore_eos),
-        logit_bias=read_logit_bias(body.get("logit_bias")),
+        logit_bias=bias_ids, logit_bias_text=bias_texts,
         n_probs=given(parsed.n_probs, 0),
+        post_sampling_probs=bool(parsed.post_sampling_probs),
         stop=read_stop(parsed.stop),
     )
 
@@ -222,9 +249,6 @@ def decode_completion(body: dict[str, Any], budget_field: str = "n_predict",
     budget the server's `n-predict` setting holds (`-n`, as llama-server's)."""
     parsed = wire.parse(CompletionBody, body)
     _refuse_unsupported(body)
-    if parsed.post_sampling_probs:
-        raise invalid_request("`post_sampling_probs` is not supported: `n_probs` reports the "
-                              "model's own probabilities.")
     prompt = read_prompt(parsed.prompt)
     sampling = read_sampling(body, parsed)
     n_predict = getattr(parsed, budget_field)
@@ -323,8 +347,15 @@ def _piece(text: str, raw: bytes) -> dict[str, Any]:
     return {"token": text, "bytes": list(raw)}
 
 
-def token_probs(ev: Any) -> dict[str, Any]:
-    """One token's entry of `completion_probabilities` (llama-server's logprob form)."""
+def token_probs(ev: Any, post_sampling: bool = False) -> dict[str, Any]:
+    """One token's entry of `completion_probabilities`: llama-server's logprob form, or
+    with `post_sampling_probs` its probability form (what the samplers left)."""
+    if post_sampling:
+        top = [{"id": t, **_piece(b.decode("utf-8", "replace"), b), "prob": math.exp(lp)}
+               for t, lp, b in (ev.top or []) if lp > -math.inf]
+        return {"id": ev.token, **_piece(ev.text, ev.text.encode()),
+                "prob": math.exp(ev.logprob) if ev.logprob is not None else 0.0,
+                "top_probs": top}
     top = [{"id": t, **_piece(b.decode("utf-8", "replace"), b), "logprob": lp}
            for t, lp, b in (ev.top or [])]
     return {"id": ev.token, **_piece(ev.text, ev.text.encode()), "logprob": ev.logprob,
@@ -369,7 +400,8 @@ class _TextEncoder:
     def take(self, ev: RawTokens) -> tuple[str, list[int], list[dict[str, Any]]]:
         text = self.filter.feed("".join(t.text for t in ev.tokens))
         self.text += text
-        probs = [token_probs(t) for t in ev.tokens] if self.sampling.n_probs else []
+        probs = [token_probs(t, self.sampling.post_sampling_probs) for t in ev.tokens] \
+            if self.sampling.n_probs else []
         self.probs += probs
         return text, [t.token for t in ev.tokens], probs
 
@@ -396,12 +428,13 @@ class LlamaEncoder(_TextEncoder):
     """Turn events → llama-server's /completion JSON, or its `data: {...}` chunks."""
 
     def __init__(self, req: TurnRequest, prompt_text: str, n_predict: int,
-                 streaming: bool, return_tokens: bool) -> None:
+                 streaming: bool, return_tokens: bool, slot: int = 0) -> None:
         super().__init__(req)
         self.prompt_text = prompt_text
         self.n_predict = n_predict
         self.streaming = streaming
         self.return_tokens = return_tokens
+        self.slot = slot
         self.n_out = 0
 
     def settings(self) -> dict[str, Any]:
@@ -418,7 +451,7 @@ class LlamaEncoder(_TextEncoder):
             self.n_out += len(ids)
             body: dict[str, Any] = {"index": 0, "content": text,
                                     "tokens": ids if self.return_tokens else [], "stop": False,
-                                    "id_slot": 0, "tokens_predicted": self.n_out}
+                                    "id_slot": self.slot, "tokens_predicted": self.n_out}
             if probs:
                 body["completion_probabilities"] = probs
             return sse_event(None, body)
@@ -433,7 +466,7 @@ class LlamaEncoder(_TextEncoder):
         tokens = list(gen.tokens) if gen is not None and self.return_tokens and not streamed \
             else []
         body: dict[str, Any] = {
-            "index": 0, "content": content, "tokens": tokens, "id_slot": 0, "stop": True,
+            "index": 0, "content": content, "tokens": tokens, "id_slot": self.slot, "stop": True,
             "model": fin.model, "tokens_predicted": fin.n_output, "tokens_evaluated": fin.n_prompt,
             "generation_settings": self.settings(), "prompt": self.prompt_text,
             "has_new_line": "\n" in self.text, "truncated": False,
@@ -536,7 +569,8 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
     prompt = body.get("prompt")
     streaming = bool(body.get("stream"))
     encoder = LlamaEncoder(req, prompt if isinstance(prompt, str) else "",
-                           req.max_tokens or -1, streaming, bool(body.get("return_tokens")))
+                           req.max_tokens or -1, streaming, bool(body.get("return_tokens")),
+                           read_slot(body, slot_count(state)))
     return await serve(state, req, encoder, streaming)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -37,6 +36,7 @@ from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
 from . import completions, llama_flags, metrics, openai_chat, shapes, wire
 from .bridge import wait_future
+from .llama_options import attach, llama_options, options_from, slot_count  # noqa: F401
 from .shapes import engine_http_error
 from .state import ServerState
 
@@ -49,46 +49,6 @@ add_flags = llama_flags.add_flags
 check_flags = llama_flags.check_flags
 config_argv = llama_flags.config_argv
 env_argv = llama_flags.env_argv
-
-
-@dataclass(frozen=True)
-class LlamaOptions:
-    """What llama-server's flags set for these routes: the model's names and tags, and
-    which of llama-server's optional routes are served."""
-
-    aliases: tuple[str, ...] = ()
-    tags: tuple[str, ...] = ()
-    slots: bool = True
-    metrics: bool = False
-    ui: bool = True
-    reasoning_format: str = "auto"
-    parallel: int = 1                  # as asked; one turn runs at a time whatever it is
-
-
-def options_from(args: Any) -> LlamaOptions:
-    F = llama_flags.BY_LONG
-    given = llama_flags.given
-    parallel = given(args, F["--parallel"])
-    return LlamaOptions(
-        aliases=llama_flags.split_names(given(args, F["--alias"])),
-        tags=llama_flags.split_names(given(args, F["--tags"])),
-        slots=given(args, F["--slots"]) is not False,
-        metrics=bool(getattr(args, "metrics", False)),
-        ui=given(args, F["--webui"]) is not False,
-        reasoning_format=given(args, F["--reasoning-format"]) or "auto",
-        parallel=int(parallel) if parallel is not None else 1)
-
-
-def attach(state: Any, args: Any) -> None:
-    options = options_from(args)
-    state.llama_options = options
-    state.llama_metrics = options.metrics
-    state.model_aliases = options.aliases
-    state.model_tags = options.tags
-
-
-def llama_options(state: Any) -> LlamaOptions:
-    return getattr(state, "llama_options", None) or LlamaOptions()
 
 
 def register(table: RouteTable, state: ServerState) -> None:
@@ -153,10 +113,10 @@ async def health(state: ServerState, request: Request) -> Response:
     return Response.json({"status": "ok"})
 
 
-def default_settings(state: ServerState, session: Session) -> dict[str, Any]:
+def default_settings(state: ServerState, session: Session, slot: int = 0) -> dict[str, Any]:
     params = {**Sampling().settings(), "n_predict": -1, "stream": False, "grammar": "",
               "model": state.model_name()}
-    return {"id": 0, "id_task": -1, "n_ctx": session.n_ctx, "speculative": False,
+    return {"id": slot, "id_task": -1, "n_ctx": session.n_ctx, "speculative": False,
             "is_processing": False, "params": params}
 
 
@@ -165,7 +125,7 @@ async def props(state: ServerState, request: Request) -> Response:
     options = llama_options(state)
     return Response.json({
         "default_generation_settings": default_settings(state, session),
-        "total_slots": 1, "model_alias": state.model_name(), "model_path": str(session.path),
+        "total_slots": slot_count(state), "model_alias": state.model_name(), "model_path": str(session.path),
         "chat_template": session.template_text, "chat_format": session.tool_framing or "none",
         "bos_token": session.bos_token,
         "eos_token": session.eos_token, "modalities": {"vision": session.vision is not None, "audio": False},
@@ -186,12 +146,17 @@ async def slots(state: ServerState, request: Request) -> Response:
     busy = state.generating
     if busy and request.query.get("fail_on_no_slot") not in (None, "", "0", "false"):
         raise HTTPError(503, "no_slot", "no slot available")
-    slot = default_settings(state, session)
-    slot["is_processing"] = busy
-    slot["prompt"] = ""
-    slot["next_token"] = [{"has_next_token": busy, "has_new_line": False, "n_remain": -1,
-                           "n_decoded": 0, "stopping_word": ""}]
-    return Response.json([slot])
+    out = []
+    for i in range(slot_count(state)):
+        slot = default_settings(state, session, i)
+        del slot["params"]                    # llama-server lists a slot's params with --verbose
+        running = busy and i == 0             # the one turn that runs is on slot 0
+        slot["is_processing"] = running
+        slot["prompt"] = ""
+        slot["next_token"] = [{"has_next_token": running, "has_new_line": False,
+                               "n_remain": -1, "n_decoded": 0, "stopping_word": ""}]
+        out.append(slot)
+    return Response.json(out)
 
 
 async def slot_action(state: ServerState, request: Request) -> Response:

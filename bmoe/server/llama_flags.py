@@ -304,9 +304,19 @@ def _carry(args: Any) -> list[str]:
         if n == 0:
             raise SystemExit("bmoe-server: --parallel 0 is refused: give 1 or more (-1: "
                              "auto), as llama-server does.")
-        if n != 1:
-            lines.append(f"--parallel {parallel}: this server serves one turn at a time; "
-                         "the others wait in line (/props total_slots is 1).")
+        if n > 1:
+            unified = bool(given(args, BY_LONG["--kv-unified"]))
+            ctx = getattr(args, "ctx_size", None)
+            if ctx and not unified:
+                # llama-server's slots split the context; so do these: each slot (and so
+                # each turn) has ctx / N tokens, as its /props and /slots say.
+                args.ctx_size = max(1, int(ctx) // n)
+                per = f"{args.ctx_size} tokens of context each (-c {ctx} split, as " \
+                      "llama-server splits it without --kv-unified)"
+            else:
+                per = "the whole context each"
+            lines.append(f"--parallel {parallel}: {n} slots, {per}; this server serves one "
+                         "turn at a time, the others wait in line.")
     reasoning = given(args, BY_LONG["--reasoning"])
     if reasoning is not None:
         word = str(reasoning).strip().lower()

@@ -262,7 +262,8 @@ async def _start(nursery: trio.Nursery, state: ServerState, app: HttpApp,
                  args: argparse.Namespace) -> None:
     port = await nursery.start(serve_http, app, options.host, options.port)
     policy.port = port
-    shown = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    first = options.host.split(",")[0].strip().strip("[]") or options.host
+    shown = "127.0.0.1" if first in ("0.0.0.0", "::") else first
     url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}/"
     print(f"bmoe-server listening on {url}", flush=True)
     if args.log_file is not None:

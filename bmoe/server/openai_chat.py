@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from ..engine import families
@@ -20,10 +21,21 @@ from . import chatreq, choices, turnservice, wire
 from .imageparts import image_part, read_images
 from .shapes import engine_http_error
 from .state import ServerState
-from .turnevents import (Failed, Finished, Ping, ReasoningDelta, Reset, Shape, Started,
-                         TextDelta, ToolArgsDelta, ToolCallStart, TurnEvent, Waiting)
-
-
+from .turnevents import (
+    Failed,
+    Finished,
+    Ping,
+    RawTokens,
+    ReasoningDelta,
+    Reset,
+    Shape,
+    Started,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+    TurnEvent,
+    Waiting,
+)
 
 # -- request ------------------------------------------------------------------
 # `wire.ChatBody` has checked every field's type; what is left here is meaning.
@@ -144,6 +156,9 @@ class ChatEncoder:
         self.index = 0                              # this choice's index (n above 1)
         self.last = True                            # ... whether its end ends the stream
         self.tally: choices.Tally | None = None     # the usage of all n choices
+        self.top_logprobs: int | None = None        # `logprobs` asked: the top ids a token
+        self._probs: list[dict[str, Any]] = []      # every token's entry (the whole answer)
+        self._pending: list[dict[str, Any]] = []    # ... not yet sent with a content delta
 
     def new_call_id(self) -> str:
         return self._new_id()
@@ -165,16 +180,37 @@ class ChatEncoder:
         if calls:
             message["tool_calls"] = calls
         body = self.envelope("chat.completion")
-        body["choices"] = [{"index": self.index, "message": message, "logprobs": None,
+        body["choices"] = [{"index": self.index, "message": message,
+                            "logprobs": self._logprobs(self._probs),
                             "finish_reason": _finish_reason(fin)}]
         body["usage"] = self._usage(fin)
         body["bmoe"] = {"summary": fin.summary}
         return body
 
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return {"content": entries, "refusal": None}
+
+    def _take_probs(self, ev: RawTokens) -> None:
+        k = self.top_logprobs or 0
+        for t in ev.tokens:
+            if t.logprob is None:
+                continue
+            top = [{"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+                   for _, lp, b in (t.top or [])[:k]]
+            entry = {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()),
+                     "top_logprobs": top}
+            self._probs.append(entry)
+            self._pending.append(entry)
+
     def chunk(self, delta: dict[str, Any], finish: str | None = None,
               extra: dict[str, Any] | None = None) -> bytes:
         body = self.envelope("chat.completion.chunk")
-        body["choices"] = [{"index": self.index, "delta": delta, "logprobs": None,
+        probs = None
+        if self._pending and delta.get("content"):   # the tokens this content came from
+            probs, self._pending = self._logprobs(self._pending), []
+        body["choices"] = [{"index": self.index, "delta": delta, "logprobs": probs,
                             "finish_reason": finish}]
         if extra:
             body.update(extra)
@@ -189,6 +225,9 @@ class ChatEncoder:
             case Started(model=model):
                 self.model = model
                 return self.chunk({"role": "assistant", "content": ""})
+            case RawTokens():
+                self._take_probs(ev)
+                return b""
             case TextDelta(text=text):
                 return self.chunk({"content": text})
             case ReasoningDelta(text=text):
@@ -244,8 +283,10 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     await read_images(req.images)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked
     n = choices.read_n(body)
-    if n > 1:
-        return await serve_choices(state, req, n, include_usage, bool(body.get("stream")))
+    top = read_logprobs(body)
+    if n > 1 or top is not None:
+        return await serve_choices(state, req, n, include_usage, bool(body.get("stream")),
+                                   top)
     return await turnservice.serve(state, req, ChatEncoder(include_usage),
                                    streaming=bool(body.get("stream")),
                                    http_error=engine_http_error)
@@ -260,15 +301,32 @@ def session_sampling(state: ServerState) -> Sampling:
                     min_p=0.0, seed=int(values.get("seed", SEED_RANDOM)))
 
 
+def read_logprobs(body: dict[str, Any]) -> int | None:
+    """`logprobs` / `top_logprobs` (OpenAI's): the top ids each token lists, or None when
+    no log-probabilities are asked (`decode` checked the types and the range)."""
+    top = body.get("top_logprobs")
+    if not body.get("logprobs"):
+        if top:
+            raise invalid_request("`top_logprobs` needs `logprobs: true`.")
+        return None
+    return int(top or 0)
+
+
 async def serve_choices(state: ServerState, req: TurnRequest, n: int, include_usage: bool,
-                        streaming: bool) -> Response | StreamResponse:
-    """n choices, one after another (choices.py); the whole answer lists them all."""
-    reqs = choices.seeded(req, n, session_sampling(state))
+                        streaming: bool, top_logprobs: int | None = None
+                        ) -> Response | StreamResponse:
+    """n choices, one after another (choices.py); the whole answer lists them all. With
+    `top_logprobs`, each token's log-probability and its most likely alternatives."""
+    sampling = session_sampling(state)
+    if top_logprobs is not None:
+        sampling = replace(sampling, n_probs=max(1, top_logprobs))
+    reqs = choices.seeded(req, n, sampling)
     tally = choices.Tally()
     encoders = [ChatEncoder(include_usage) for _ in reqs]
     for i, encoder in enumerate(encoders):
         encoder.id, encoder.created = encoders[0].id, encoders[0].created
         encoder.index, encoder.last, encoder.tally = i, i == n - 1, tally
+        encoder.top_logprobs = top_logprobs
 
     def merge(bodies: list[dict[str, Any]]) -> dict[str, Any]:
         merged = dict(bodies[-1])

@@ -40,6 +40,7 @@ _KINDS = {"string_type": "a string", "bool_type": "true or false", "int_type": "
           "union_tag_not_found": "an object", "none_required": "null"}
 _LABELS = ("function-", "union[", "list[", "dict[", "tagged-union[", "nullable[", "literal[",
            "json-or-python[", "lax-or-strict[")
+TOP_LOGPROBS_MAX = 20  # OpenAI's ceiling for a chat request's top_logprobs
 MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in one schema; the grammar builder recurses
 
 
@@ -353,6 +354,8 @@ class ChatBody(Wire):
     max_completion_tokens: TokenBudget = None
     json_schema: Schema = None
     n: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[Any, Integer(0, TOP_LOGPROBS_MAX)] = None
 
 
 # -- Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) --------------------------

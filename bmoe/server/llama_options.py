@@ -1,0 +1,56 @@
+"""What llama-server's flags set for its routes: the model's names and tags, the optional
+routes served, the slots (`--parallel`). Read by the llama-server routes and the
+completion handlers; set once at start (`attach`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import llama_flags
+
+
+@dataclass(frozen=True)
+class LlamaOptions:
+    """What llama-server's flags set for these routes: the model's names and tags, and
+    which of llama-server's optional routes are served."""
+
+    aliases: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    slots: bool = True
+    metrics: bool = False
+    ui: bool = True
+    reasoning_format: str = "auto"
+    parallel: int = 1                  # as asked; one turn runs at a time whatever it is
+
+
+def options_from(args: Any) -> LlamaOptions:
+    F = llama_flags.BY_LONG
+    given = llama_flags.given
+    parallel = given(args, F["--parallel"])
+    return LlamaOptions(
+        aliases=llama_flags.split_names(given(args, F["--alias"])),
+        tags=llama_flags.split_names(given(args, F["--tags"])),
+        slots=given(args, F["--slots"]) is not False,
+        metrics=bool(getattr(args, "metrics", False)),
+        ui=given(args, F["--webui"]) is not False,
+        reasoning_format=given(args, F["--reasoning-format"]) or "auto",
+        parallel=int(parallel) if parallel is not None else 1)
+
+
+def attach(state: Any, args: Any) -> None:
+    options = options_from(args)
+    state.llama_options = options
+    state.llama_metrics = options.metrics
+    state.model_aliases = options.aliases
+    state.model_tags = options.tags
+
+
+def llama_options(state: Any) -> LlamaOptions:
+    return getattr(state, "llama_options", None) or LlamaOptions()
+
+
+def slot_count(state: Any) -> int:
+    """llama-server's slots (`--parallel N`): each has the context the engine holds (the
+    -c split N ways, unless --kv-unified); one turn runs at a time on them."""
+    return max(1, llama_options(state).parallel)

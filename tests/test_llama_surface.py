@@ -1,0 +1,153 @@
+"""The parts of llama-server's surface its own test suite reads, on a real bmoe-server.
+
+Log-probabilities on chat (OpenAI's `logprobs` / `top_logprobs`, through the `openai` SDK
+with its strict models, whole and streamed), `/completion`'s `n_probs` after the samplers
+(`post_sampling_probs`), `logit_bias` keyed by text, and `--host` naming several
+addresses. The expectations are llama-server's documented behaviour, and each is checked
+against something the model's own numbers decide (a probability recomputed, a token kept
+out), not against our output.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import urllib.request
+from conftest import ServerProcess, start_server
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("surface"), "-m", str(tiny_moe), "-c",
+                          "1024", "--temp", "0")
+    try:
+        assert server.info()["state"] == "ready", server.info()
+        yield server
+    finally:
+        server.stop()
+
+
+def _client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+
+MESSAGES: list[Any] = [{"role": "system", "content": "Book"},
+                       {"role": "user", "content": "What is the best book"}]
+
+
+def test_chat_logprobs_whole(srv: ServerProcess) -> None:
+    res = _client(srv).chat.completions.create(model="m", messages=MESSAGES, max_tokens=6,
+                                               logprobs=True, top_logprobs=5)
+    choice = res.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content, choice
+    text = "".join(t.token for t in choice.logprobs.content)
+    assert text == choice.message.content
+    for t in choice.logprobs.content:
+        assert t.logprob <= 0.0 and t.bytes == list(t.token.encode())
+        assert 1 <= len(t.top_logprobs) <= 5
+        lps = [x.logprob for x in t.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert sum(math.exp(x) for x in lps) <= 1.0 + 1e-9
+        assert t.top_logprobs[0].token == t.token        # greedy takes the most likely
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+
+
+def test_chat_logprobs_streamed_match_the_text(srv: ServerProcess) -> None:
+    stream = _client(srv).chat.completions.create(model="m", messages=MESSAGES, max_tokens=6,
+                                                  logprobs=True, top_logprobs=3, stream=True)
+    content, tokens = "", ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        if choice.logprobs is not None and choice.logprobs.content:
+            assert choice.delta.content                  # they ride with the text they made
+            tokens += "".join(t.token for t in choice.logprobs.content)
+            assert all(len(t.top_logprobs) <= 3 for t in choice.logprobs.content)
+    assert content and tokens == content
+
+
+def test_chat_without_logprobs_says_none_and_top_needs_logprobs(srv: ServerProcess) -> None:
+    res = _client(srv).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    assert res.choices[0].logprobs is None
+    for extra, word in (({"top_logprobs": 3}, "logprobs"), ({"logprobs": True, "top_logprobs": 21},
+                                                            "top_logprobs"),
+                        ({"logprobs": "yes"}, "logprobs")):
+        status, _, body = srv.request("POST", "/v1/chat/completions",
+                                      {"messages": MESSAGES, "max_tokens": 2, **extra})
+        assert status == 400 and body["code"] == "invalid_request", (extra, body)
+        assert word in body["error"], (extra, body)
+
+
+def _complete(srv: ServerProcess, **body: Any) -> dict[str, Any]:
+    status, _, payload = srv.request("POST", "/completion", {"prompt": "Once upon a time",
+                                                             "n_predict": 5, **body})
+    assert status == 200, payload
+    return payload
+
+
+def test_post_sampling_probs_are_the_distribution_drawn_from(srv: ServerProcess) -> None:
+    pre = _complete(srv, n_probs=10, temperature=0)["completion_probabilities"]
+    # top-k 3 at temperature 1: the three most likely ids, renormalised among themselves
+    post = _complete(srv, n_probs=10, temperature=1.0, top_k=3, top_p=1.0, min_p=0.0,
+                     seed=7, post_sampling_probs=True)["completion_probabilities"]
+    assert len(post) == 5
+    for tok in post:
+        assert {"id", "token", "bytes", "prob", "top_probs"} <= set(tok), tok
+        assert "logprob" not in tok and 0.0 < tok["prob"] <= 1.0
+        assert len(tok["top_probs"]) == 3
+        assert sum(p["prob"] for p in tok["top_probs"]) == pytest.approx(1.0)
+        assert tok["id"] in [p["id"] for p in tok["top_probs"]]     # drawn from these
+    # the first token's context is the same prompt: its three are the model's top three,
+    # in proportion to their own probabilities
+    first = pre[0]["top_logprobs"][:3]
+    z = sum(math.exp(t["logprob"]) for t in first)
+    want = {t["id"]: math.exp(t["logprob"]) / z for t in first}
+    got = {p["id"]: p["prob"] for p in post[0]["top_probs"]}
+    assert got.keys() == want.keys()
+    for tok_id, p in want.items():
+        assert got[tok_id] == pytest.approx(p, rel=1e-3)
+    greedy = _complete(srv, n_probs=4, temperature=0, post_sampling_probs=True)
+    assert all(t["prob"] == 1.0 and len(t["top_probs"]) == 1
+               for t in greedy["completion_probabilities"])
+
+
+def test_logit_bias_by_text_in_both_forms(srv: ServerProcess) -> None:
+    text = _complete(srv, temperature=0, n_predict=8)["content"]
+    ids = srv.request("POST", "/tokenize", {"content": text})[2]["tokens"]
+    assert ids
+    for bias in ([[text, -100]], {text: -100}, [[text, False]]):
+        out = _complete(srv, temperature=0, n_predict=8, return_tokens=True, logit_bias=bias)
+        assert not set(ids) & set(out["tokens"]), (bias, ids, out["tokens"])
+    for bad in ([["x" * 300, 1]], {"": 1}, [["x", "y"]]):
+        status, _, body = srv.request("POST", "/completion", {"prompt": "x", "logit_bias": bad})
+        assert status == 400 and "logit_bias" in body["error"]["message"], (bad, body)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_host_lists_several_addresses(tmp_path: Path, tiny_moe: Path) -> None:
+    hosts = "127.0.0.1,::1" if _ipv6_loopback() else "127.0.0.1,localhost"
+    server = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "256", "--host", hosts)
+    try:
+        port = int(server.url.rsplit(":", 1)[1].rstrip("/"))
+        assert server.url.startswith("http://127.0.0.1:"), server.url
+        for host in (["127.0.0.1", "[::1]"] if "::1" in hosts else ["127.0.0.1"]):
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=10) as r:
+                assert r.status == 200, host
+    finally:
+        server.stop()
