@@ -229,6 +229,17 @@ def test_ctrl_c_keeps_the_part_and_the_next_start_resumes(
     assert resumed["range"] and int(resumed["range"][6:].split("-")[0]) >= kept, resumed
 
 
+def test_a_download_that_fails_its_digest_says_so(
+        tmp_path: Path, hub: tuple[Hub, dict[str, Any]], site: list[str]) -> None:
+    h, _ = hub
+    h.fault(SPLIT, f"F32/{SHARDS[1]}", wrong=True)
+    done = models(tmp_path / "d", "--local", *site, "pull", SPLIT, ok=False)
+    assert done.returncode == 1, done.stderr
+    assert f"{SHARDS[1]}: its SHA-256 does not match" in done.stderr, done.stderr
+    assert "What came is kept" not in done.stderr, done.stderr    # the part was deleted
+    assert (tmp_path / "d" / "models" / SHARDS[0]).is_file()      # the good shard stays
+
+
 def test_a_set_the_disk_cannot_hold_is_refused_before_it_starts(
         tmp_path: Path, hub: tuple[Hub, dict[str, Any]], site: list[str]) -> None:
     h, _ = hub

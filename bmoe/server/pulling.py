@@ -261,9 +261,11 @@ class Puller:
         finally:
             view.close()
         if ev["state"] != "done":
+            kept = any((folder / f"{n}.part").is_file() for n, _ in files)
             raise ModelsError(502, "download_failed", f"{files[0][0]} could not be fetched: "
-                              f"{ev.get('error') or ev['state']}. What came is kept; the "
-                              "same command resumes it.")
+                              f"{ev.get('error') or ev['state']}." + (
+                                  " What came is kept; the same command resumes it."
+                                  if kept else ""))
         self.current = None
         self.say(f"fetched {files[0][0]}.")
         return folder / files[0][0]
