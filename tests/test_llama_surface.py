@@ -151,3 +151,18 @@ def test_host_lists_several_addresses(tmp_path: Path, tiny_moe: Path) -> None:
                 assert r.status == 200, host
     finally:
         server.stop()
+
+
+def test_context_exceeded_is_llama_servers_error_with_both_sizes(srv: ServerProcess) -> None:
+    long = [{"role": "user", "content": "What is the best book " * 20},
+            {"role": "assistant", "content": "Book"}] * 12 + [{"role": "user", "content": "x"}]
+    for path, body in (("/chat/completions", {"messages": long}),
+                       ("/chat/completions", {"messages": long, "stream": True}),
+                       ("/completion", {"prompt": "book " * 1500}),
+                       ("/completion", {"prompt": "book " * 1500, "stream": True})):
+        status, _, payload = srv.request("POST", path, body)
+        assert status == 400, (path, payload)             # before any stream starts
+        err = payload["error"]
+        assert err["type"] == "exceed_context_size_error", (path, payload)
+        assert err["n_ctx"] == 1024 and err["n_prompt_tokens"] > 1024, (path, payload)
+        assert "ctx" in err["message"].lower() or "context" in err["message"].lower()

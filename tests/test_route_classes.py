@@ -399,7 +399,7 @@ def _req(method: str, target: str, key: bool) -> Request:
     ("POST", "/completion/x", shapes.LLAMA), ("GET", "/slots/", shapes.LLAMA),
     ("PUT", "/props", shapes.LLAMA), ("GET", "/health/x", shapes.LLAMA),
     ("POST", "/v1/messages/x", shapes.ANTHROPIC), ("GET", "/v1/messages", shapes.ANTHROPIC),
-    ("POST", "/v1/responses/r1", shapes.RESPONSES), ("POST", "/chat/completions/x", OWN),
+    ("POST", "/v1/responses/r1", shapes.RESPONSES), ("POST", "/chat/completions/x", shapes.LLAMA),
     ("POST", "/api/tags", OWN),
 ])
 def test_a_path_no_route_answers_needs_the_key_and_takes_its_familys_shape(

@@ -10,6 +10,8 @@ its traceback on stderr, never shown to the client.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class HTTPError(Exception):
     def __init__(
@@ -19,12 +21,14 @@ class HTTPError(Exception):
         message: str,
         *,
         headers: list[tuple[str, str]] | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = headers or []
+        self.fields = fields or {}          # numbers a client decides on (a shape may carry)
 
     def __repr__(self) -> str:
         return f"HTTPError({self.status}, {self.code!r}, {self.message!r})"

@@ -367,6 +367,9 @@ def llama_error_body(err: HTTPError) -> dict[str, Any]:
              403: "permission_error", 404: "not_found_error", 501: "not_supported_error",
              503: "unavailable_error"}
     kind = kinds.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    if err.code == "context_full":          # llama-server's, with the two sizes
+        return {"error": {"code": err.status, "message": err.message,
+                          "type": "exceed_context_size_error", **err.fields}}
     return {"error": {"code": err.status, "message": err.message, "type": kind}}
 
 

@@ -70,7 +70,7 @@ def register(table: RouteTable, state: ServerState) -> None:
     add("POST", "/apply-template", apply_template, **big, **llama, **runs)
     add("POST", "/v1/chat/completions/input_tokens", input_tokens, **big, **runs)
     add("POST", "/chat/completions/input_tokens", input_tokens, **big, **runs)
-    add("POST", "/chat/completions", openai_chat.handle, **big, **runs)
+    add("POST", "/chat/completions", openai_chat.handle, **big, **llama, **runs)
     add("GET", "/props", props, **llama)
     add("POST", "/props", set_props, **llama)
     add("GET", "/slots", slots, **llama)

@@ -54,4 +54,7 @@ STATUS_OF = {"context_full": 400, "empty_prompt": 400, "template_rejected": 400,
 
 def engine_http_error(e: EngineError) -> HTTPError:
     """An engine failure as the HTTP error it is, its `{key}` placeholders as labels."""
-    return HTTPError(STATUS_OF.get(e.code, 500), e.code, params.render(e.message, "label"))
+    fields = {"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx} \
+        if e.code == "context_full" and e.n_prompt is not None else None
+    return HTTPError(STATUS_OF.get(e.code, 500), e.code, params.render(e.message, "label"),
+                     fields=fields)
