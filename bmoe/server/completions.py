@@ -36,7 +36,7 @@ from ..http.types import Request, Response, StreamResponse
 from . import choices, turnservice, wire
 from .choices import Tally
 from .llama_options import slot_count
-from .shapes import engine_http_error
+from .shapes import engine_http_error, llama_error_body
 from .state import ServerState
 from .turnevents import Failed, Finished, Ping, RawTokens, Shape, Started, TurnEvent, Waiting
 
@@ -360,17 +360,6 @@ def token_probs(ev: Any, post_sampling: bool = False) -> dict[str, Any]:
            for t, lp, b in (ev.top or [])]
     return {"id": ev.token, **_piece(ev.text, ev.text.encode()), "logprob": ev.logprob,
             "top_logprobs": top}
-
-
-def llama_error_body(err: HTTPError) -> dict[str, Any]:
-    kinds = {400: "invalid_request_error", 401: "authentication_error",
-             403: "permission_error", 404: "not_found_error", 501: "not_supported_error",
-             503: "unavailable_error"}
-    kind = kinds.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
-    if err.code == "context_full":          # llama-server's, with the two sizes
-        return {"error": {"code": err.status, "message": err.message,
-                          "type": "exceed_context_size_error", **err.fields}}
-    return {"error": {"code": err.status, "message": err.message, "type": kind}}
 
 
 def _as_http(e: EngineError | HTTPError) -> HTTPError:

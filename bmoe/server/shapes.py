@@ -10,6 +10,8 @@ lies below (`/v1/messages/x` is Anthropic's 404).
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..engine import params
 from ..engine.errors import EngineError
 from ..http.errors import HTTPError
@@ -30,6 +32,17 @@ def responses_error(err: HTTPError) -> dict:
     return {"error": {"message": err.message, "type": kind, "param": None, "code": err.code}}
 
 
+def llama_error_body(err: HTTPError) -> dict[str, Any]:
+    kinds = {400: "invalid_request_error", 401: "authentication_error",
+             403: "permission_error", 404: "not_found_error", 501: "not_supported_error",
+             503: "unavailable_error"}
+    kind = kinds.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    if err.code == "context_full":          # llama-server's, with the two sizes
+        return {"error": {"code": err.status, "message": err.message,
+                          "type": "exceed_context_size_error", **err.fields}}
+    return {"error": {"code": err.status, "message": err.message, "type": kind}}
+
+
 LLAMA = "llama"             # llama-server's error object (bmoe/server/llama_compat.py)
 ANTHROPIC = "anthropic"     # the Messages API's
 RESPONSES = "responses"     # the Responses API's
@@ -38,7 +51,6 @@ RESPONSES = "responses"     # the Responses API's
 def error_shaper(shape: str, err: HTTPError) -> Response | None:
     """``err`` in the shape its route declares; None for a name this module does not know."""
     if shape == LLAMA:
-        from .completions import llama_error_body  # completions imports this module
         return Response.json(llama_error_body(err), status=err.status, headers=err.headers)
     if shape == ANTHROPIC:
         return Response.json(anthropic_error(err), status=err.status, headers=err.headers)
