@@ -25,7 +25,7 @@ from conftest import ServerProcess, start_server
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> Iterator[ServerProcess]:
     server = start_server(tmp_path_factory.mktemp("surface"), "-m", str(tiny_moe), "-c",
-                          "1024", "--temp", "0")
+                          "1024", "--temp", "0", "--metrics")
     try:
         assert server.info()["state"] == "ready", server.info()
         yield server
@@ -166,3 +166,52 @@ def test_context_exceeded_is_llama_servers_error_with_both_sizes(srv: ServerProc
         assert err["type"] == "exceed_context_size_error", (path, payload)
         assert err["n_ctx"] == 1024 and err["n_prompt_tokens"] > 1024, (path, payload)
         assert "ctx" in err["message"].lower() or "context" in err["message"].lower()
+
+
+def _scrape(srv: ServerProcess) -> tuple[dict[str, str], dict[str, tuple[str, float]]]:
+    """The samples by the name written, each with its # TYPE (as llama-server's suite
+    reads them); Prometheus's own parser must read the text too."""
+    from prometheus_client.parser import text_string_to_metric_families
+    status, headers, text = srv.request("GET", "/metrics")
+    assert status == 200
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    assert list(text_string_to_metric_families(text))
+    types: dict[str, str] = {}
+    found: dict[str, tuple[str, float]] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind
+        elif line.startswith("llamacpp:"):
+            name, value = line.split(" ", 1)
+            assert name in types and f"# HELP {name} " in text, name
+            found[name] = (types[name], float(value))
+    return headers, found
+
+
+def test_metrics_count_as_llama_server_counts(srv: ServerProcess) -> None:
+    headers, before = _scrape(srv)
+    assert int(headers["Process-Start-Time-Unix"]) > 1_600_000_000
+    for name in ("prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total",
+                 "tokens_predicted_total", "tokens_predicted_seconds_total", "n_decode_total",
+                 "n_tokens_max", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_drafts_total"):
+        assert before[f"llamacpp:{name}"][0] == "counter", name
+    for name in ("prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing",
+                 "requests_deferred", "n_busy_slots_per_decode"):
+        assert before[f"llamacpp:{name}"][0] == "gauge", name
+    prompt = "the quick brown fox jumps over the lazy dog"
+    timings = [_complete(srv, prompt=prompt, n_predict=n)["timings"] for n in (4, 1, 16)]
+    assert timings[1]["cache_n"] > 0                     # the same prompt, from the KV
+    _, after = _scrape(srv)
+
+    def grew(name: str) -> float:
+        return after[f"llamacpp:{name}"][1] - before[f"llamacpp:{name}"][1]
+    assert grew("prompt_tokens_total") == sum(t["prompt_n"] for t in timings)
+    assert grew("prompt_tokens_cached_total") == sum(t["cache_n"] for t in timings)
+    assert grew("tokens_predicted_total") == sum(t["predicted_n"] for t in timings)
+    assert after["llamacpp:requests_processing"][1] == 0
+    one, many = timings[1], timings[2]
+    assert one["predicted_per_second"] == 0.0 and one["predicted_per_token_ms"] == 0.0
+    assert many["predicted_n"] == 16                    # the rate is over 15 decode steps
+    assert many["predicted_per_second"] == pytest.approx(15 / (many["predicted_ms"] / 1e3))

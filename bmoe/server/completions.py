@@ -339,8 +339,10 @@ def timings(fin: Finished) -> dict[str, Any]:
             "prompt_per_token_ms": p_ms / gen.n_prefilled if gen.n_prefilled else 0.0,
             "prompt_per_second": gen.n_prefilled / gen.prefill_s if gen.prefill_s > 0 else 0.0,
             "predicted_n": n_out, "predicted_ms": d_ms,
-            "predicted_per_token_ms": d_ms / n_out if n_out else 0.0,
-            "predicted_per_second": n_out / gen.decode_s if gen.decode_s > 0 else 0.0}
+            # the first token comes from the prompt's last logits: no decode step of its own
+            "predicted_per_token_ms": d_ms / (n_out - 1) if n_out > 1 else 0.0,
+            "predicted_per_second": (n_out - 1) / gen.decode_s
+            if n_out > 1 and gen.decode_s > 0 else 0.0}
 
 
 def _piece(text: str, raw: bytes) -> dict[str, Any]:

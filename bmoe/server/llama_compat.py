@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from functools import partial
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ from .llama_options import attach, llama_options, options_from, slot_count  # no
 from .shapes import engine_http_error
 from .state import ServerState
 
+PROCESS_START = time.time()   # llama-server's /metrics header
 TOKENS_MAX = 1 << 20          # ids in one /detokenize body (the body cap bounds it too)
 
 
@@ -266,7 +268,8 @@ async def get_metrics(state: ServerState, request: Request) -> Response:
     if not getattr(state, "llama_metrics", False):
         raise not_supported("This server does not support metrics endpoint. Start it with "
                             "`--metrics`.")
-    return Response(body=metrics.exposition(state), content_type=metrics.CONTENT_TYPE)
+    return Response(body=metrics.exposition(state), content_type=metrics.CONTENT_TYPE,
+                    headers=[("Process-Start-Time-Unix", str(int(PROCESS_START)))])
 
 
 # -- model lookups -----------------------------------------------------------------

@@ -27,28 +27,32 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 @dataclass
 class Metrics:
     prompt_tokens: int = 0          # prompt tokens computed (the KV's reused prefix not counted)
+    prompt_tokens_cached: int = 0   # ... and the ones the KV already held (no decode)
     prompt_seconds: float = 0.0
     tokens_predicted: int = 0
     predicted_seconds: float = 0.0
     n_decode: int = 0               # llama_decode calls: one per prefill chunk and per token
     requests: int = 0
+    n_tokens_max: int = 0           # the most positions one generation took (prompt + answer)
     last_prompt_tps: float = 0.0
     last_predicted_tps: float = 0.0
 
-    def book(self, gen: Any) -> None:
-        """One generation's counts (a `bmoe.engine.session.Generation`)."""
+    def book(self, gen: Any, n_batch: int = 512) -> None:
+        """One generation's counts (a `bmoe.engine.session.Generation`); `n_batch` is the
+        session's prompt batch (one llama_decode call each)."""
         n_out = len(gen.tokens)
         self.requests += 1
         self.prompt_tokens += gen.n_prefilled
+        self.prompt_tokens_cached += gen.n_cached
         self.prompt_seconds += gen.prefill_s
         self.tokens_predicted += n_out
         self.predicted_seconds += gen.decode_s
-        chunk = 512
-        self.n_decode += -(-gen.n_prefilled // chunk) + max(0, n_out - 1)
+        self.n_decode += -(-gen.n_prefilled // max(1, n_batch)) + max(0, n_out - 1)
+        self.n_tokens_max = max(self.n_tokens_max, gen.n_prompt + n_out)
         if gen.prefill_s > 0 and gen.n_prefilled:
             self.last_prompt_tps = gen.n_prefilled / gen.prefill_s
-        if gen.decode_s > 0 and n_out:
-            self.last_predicted_tps = n_out / gen.decode_s
+        if gen.decode_s > 0 and n_out > 1:      # the first token cost no decode step
+            self.last_predicted_tps = (n_out - 1) / gen.decode_s
 
 
 class _Collector(Collector):
@@ -59,11 +63,18 @@ class _Collector(Collector):
         state = self.state
         m: Metrics = state.metrics
         yield _counter("prompt_tokens", "Number of prompt tokens processed.", m.prompt_tokens)
+        yield _counter("prompt_tokens_cached", "Number of prompt tokens taken from the cache "
+                       "(no decode).", m.prompt_tokens_cached)
         yield _counter("prompt_seconds", "Prompt process time.", m.prompt_seconds)
         yield _counter("tokens_predicted", "Number of generation tokens processed.",
                        m.tokens_predicted)
         yield _counter("tokens_predicted_seconds", "Predict process time.", m.predicted_seconds)
         yield _counter("n_decode", "Total number of llama_decode() calls.", m.n_decode)
+        yield _counter("n_tokens_max", "Largest observed n_tokens.", m.n_tokens_max)
+        # no speculative decoding on these routes: llama-server's counters, at zero
+        yield _counter("spec_decode_num_draft_tokens", "Number of draft tokens generated.", 0)
+        yield _counter("spec_decode_num_accepted_tokens", "Number of draft tokens accepted.", 0)
+        yield _counter("spec_decode_num_drafts", "Number of drafts generated.", 0)
         yield _gauge("n_busy_slots_per_decode", "Average number of busy slots per "
                      "llama_decode() call.", 1.0 if m.n_decode else 0.0)
         yield _gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
@@ -120,4 +131,8 @@ def exposition(state: Any) -> bytes:
     """The text exposition of every metric, as of now."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(state))
-    return generate_latest(registry)
+    # llama-server exposes this one counter without the `_total` every other counter
+    # carries (its dashboards and tests read `llamacpp:n_tokens_max`); prometheus_client
+    # always adds it, so the one name is respelled after the exposition is written.
+    return generate_latest(registry).replace(b"llamacpp:n_tokens_max_total",
+                                             b"llamacpp:n_tokens_max")

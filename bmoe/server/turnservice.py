@@ -112,7 +112,7 @@ class Turn:
                 await let_go(fut)
                 raise
         result: TurnResult = await wait_future(fut)
-        state.metrics.book(result.generation)
+        state.metrics.book(result.generation, session.n_batch)
         state.bus.publish("done", result.summary)
         log_turn(state, session, result)
         return result
