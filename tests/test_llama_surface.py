@@ -215,3 +215,68 @@ def test_metrics_count_as_llama_server_counts(srv: ServerProcess) -> None:
     assert one["predicted_per_second"] == 0.0 and one["predicted_per_token_ms"] == 0.0
     assert many["predicted_n"] == 16                    # the rate is over 15 decode steps
     assert many["predicted_per_second"] == pytest.approx(15 / (many["predicted_ms"] / 1e3))
+
+
+def _events(srv: ServerProcess, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+    import urllib.request as ur
+    req = ur.Request(srv.url + path, data=json.dumps(body).encode(), method="POST",
+                     headers={"Content-Type": "application/json"})
+    out = []
+    with ur.urlopen(req, timeout=60) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def _check_progress(progress: list[dict[str, Any]], cached: bool) -> None:
+    assert len(progress) >= 2, progress               # before the first batch, then each
+    first, last = progress[0], progress[-1]
+    assert first["processed"] == first["cache"] and first["time_ms"] == 0.0
+    assert (first["cache"] > 0) == cached, first
+    for a, b in zip(progress, progress[1:]):
+        assert b["total"] == a["total"] and b["cache"] == a["cache"]
+        assert b["processed"] > a["processed"] and b["time_ms"] >= a["time_ms"]
+    assert last["processed"] == last["total"] > 0
+
+
+def test_return_progress_on_completion_and_chat(tmp_path: Path, tiny_moe: Path) -> None:
+    """-b 16: a prompt of ~100 tokens prefills in several batches, each reported; the same
+    prompt again starts from what the KV kept."""
+    server = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "1024", "-b", "16",
+                          "-ub", "16")
+    try:
+        prompt = "the quick brown fox jumps over the lazy dog " * 10
+        for cached in (False, True):
+            chunks = _events(server, "/completion", {"prompt": prompt, "n_predict": 3,
+                                                     "stream": True, "return_progress": True,
+                                                     "timings_per_token": True})
+            progress = [c for c in chunks if "prompt_progress" in c]
+            _check_progress([c["prompt_progress"] for c in progress], cached)
+            first = progress[0]["timings"]
+            assert first["prompt_n"] == 0 and first["prompt_ms"] == 0.0
+            assert first["predicted_n"] == 0 and first["predicted_ms"] == 0.0
+            ms = [c["timings"]["prompt_ms"] for c in progress]
+            assert ms == sorted(ms) and ms[-1] > 0
+            tokens = [c for c in chunks if c.get("content") and not c.get("stop")]
+            assert all(c["timings"]["predicted_n"] == c["tokens_predicted"] for c in tokens)
+            assert chunks[-1]["stop"] is True
+            assert chunks[-1]["timings"]["prompt_n"] == progress[-1]["timings"]["prompt_n"]
+        msgs = [{"role": "user", "content": prompt}]
+        for cached in (False, True):
+            chunks = _events(server, "/v1/chat/completions",
+                             {"messages": msgs, "max_tokens": 3, "stream": True,
+                              "return_progress": True, "timings_per_token": True,
+                              "stream_options": {"include_usage": True}})
+            progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+            _check_progress(progress, cached)
+            assert all(not c["choices"] for c in chunks if "prompt_progress" in c)
+            assert "timings" in chunks[-1] and chunks[-1]["usage"], chunks[-1]
+            assert "timings" not in chunks[0]
+        plain = _events(server, "/completion", {"prompt": prompt, "n_predict": 2,
+                                                "stream": True})
+        assert not any("prompt_progress" in c or ("timings" in c and not c["stop"])
+                       for c in plain)
+    finally:
+        server.stop()

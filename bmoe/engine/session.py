@@ -77,6 +77,16 @@ class TokenEvent:
 
 
 @dataclass
+class PrefillProgress:
+    """How far a prompt's prefill has come (llama-server's `prompt_progress`): `processed`
+    counts the prompt's positions the KV holds, the `cache` it started from included."""
+    total: int
+    cache: int
+    processed: int
+    elapsed_ms: float
+
+
+@dataclass
 class Generation:
     finish: str                      # "stop" | "length" | "cancelled"
     tokens: list[int]
@@ -156,6 +166,7 @@ class Session:
         self.values = dict(values)
         self.kv_tokens: list[int] = []
         self._abort_flag: threading.Event | None = None
+        self._on_progress: Callable[[int], None] | None = None    # a prefill being watched
         t0 = time.monotonic()
         self.model = None
         self.ctx = None
@@ -476,6 +487,8 @@ class Session:
                 raise _Aborted(pos0 + start)
             if rc != 0:
                 raise EngineError("failed", f"llama_decode failed with code {rc}.")
+            if self._on_progress is not None:
+                self._on_progress(pos0 + start + n)
 
     def _check_streamer(self, pos0: int) -> None:
         """A streamer failure stopped the graph: forget this decode's KV, raise it."""
@@ -538,11 +551,13 @@ class Session:
     def generate(self, prompt: list[int], *, max_tokens: int, cancel: threading.Event,
                  on_token: Callable[[TokenEvent], None], grammar: str | None = None,
                  grammar_triggers: list[int] | None = None,
-                 sampling: Sampling | None = None) -> Generation:
+                 sampling: Sampling | None = None,
+                 on_progress: Callable[[PrefillProgress], None] | None = None) -> Generation:
         """Prefill `prompt` (reusing the KV prefix) and decode up to `max_tokens` tokens.
 
         `max_tokens` 0 means no ceiling but the context. Raises EngineError before any
-        token when the prompt leaves no room.
+        token when the prompt leaves no room. `on_progress` hears the prefill: once before
+        its first batch (what the KV already held), then after each batch.
         """
         if not prompt:
             raise EngineError("empty_prompt", "The prompt is empty.")
@@ -555,14 +570,36 @@ class Session:
         t_start = time.monotonic()
         try:
             try:
+                if on_progress is not None:
+                    self._watch_prefill(prompt, on_progress, t_start)
                 reused, prefill_s = self.prefill(prompt, cancel)
             except _Aborted:
                 return Generation("cancelled", [], "", len(prompt), 0, 0,
                                   time.monotonic() - t_start, 0.0, 0.0, len(self.kv_tokens))
+            finally:
+                self._on_progress = None
             return self._decode_loop(prompt, budget, max_tokens, reused, prefill_s, t_start,
                                      sampler, cancel, on_token, sampling)
         finally:
             lc.llama_sampler_free(sampler)
+
+    def _watch_prefill(self, prompt: list[int], on_progress: Callable[[PrefillProgress], None],
+                       t0: float) -> None:
+        """Report the prefill to `on_progress`, from the prefix the KV holds on."""
+        total = len(prompt)
+        cache = min(len(prompt) - 1, self._common_prefix(prompt))
+
+        def report(processed: int) -> None:
+            on_progress(PrefillProgress(total, cache, max(cache, processed),
+                                        (time.monotonic() - t0) * 1000.0))
+        report(cache)
+        self._on_progress = report
+
+    def _common_prefix(self, prompt: list[int]) -> int:
+        n, kv = 0, self.kv_tokens
+        while n < min(len(kv), len(prompt)) and kv[n] == prompt[n]:
+            n += 1
+        return n
 
     def _decode_loop(self, prompt: list[int], budget: int, max_tokens: int, reused: int,
                      prefill_s: float, t_start: float, sampler: Any, cancel: threading.Event,

@@ -23,7 +23,7 @@ from .chatparse import CALL_OPEN
 from .errors import EngineError, context_full, no_vision
 from .images import ImageSet
 from .sampling import Sampling, check_tokens
-from .session import Generation, Session, TokenEvent
+from .session import Generation, PrefillProgress, Session, TokenEvent
 from .telemetry import ProcessProbe, token_record
 from .templating import TemplateError
 
@@ -53,6 +53,8 @@ class TurnRequest:
     images: ImageSet | None = None
     # extra template variables (``reasoning_effort`` for gpt-oss)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # llama-server's `return_progress`: the prefill's progress is emitted as it goes
+    progress: bool = False
 
     def conflict(self) -> str | None:
         """Why these choices cannot hold together (a sentence), or None."""
@@ -240,7 +242,10 @@ def _single_token(session: Session, word: str) -> list[int]:
 
 
 def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: threading.Event,
-             emit: Callable[[TokenEvent, dict[str, Any]], None]) -> TurnResult:
+             emit: Callable[[TokenEvent, dict[str, Any]], None],
+             on_progress: Callable[[PrefillProgress], None] | None = None) -> TurnResult:
+    """Generate `prepared`'s answer: each token to `emit` with its telemetry record, the
+    prefill's progress to `on_progress` when the request asks for it."""
     probe = ProcessProbe()
     t0 = time.monotonic()
     walls: list[float] = []
@@ -262,7 +267,8 @@ def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: thr
     encodes = session.vision.encodes if session.vision is not None else 0
     gen = session.generate(prepared.tokens, max_tokens=req.max_tokens, cancel=cancel,
                            on_token=on_token, grammar=prepared.grammar,
-                           grammar_triggers=prepared.grammar_triggers, sampling=req.sampling)
+                           grammar_triggers=prepared.grammar_triggers, sampling=req.sampling,
+                           on_progress=on_progress if req.progress else None)
     summary = summarize(session, gen, sums, last, time.monotonic() - t0)
     if prepared.image_tokens:
         summary["image_tokens"] = prepared.image_tokens

@@ -38,7 +38,8 @@ from .choices import Tally
 from .llama_options import slot_count
 from .shapes import engine_http_error, llama_error_body
 from .state import ServerState
-from .turnevents import Failed, Finished, Ping, RawTokens, Shape, Started, TurnEvent, Waiting
+from .turnevents import (Failed, Finished, Ping, Progress, RawTokens, Shape, Started, TurnEvent,
+                         Waiting, generation_timings, progress_timings)
 
 I32_MAX = 2**31 - 1
 PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)
@@ -59,6 +60,8 @@ class CompletionBody(wire.Wire):
     ignore_eos: StrictBool | None = None
     cache_prompt: StrictBool | None = None
     return_tokens: StrictBool | None = None
+    return_progress: StrictBool | None = None
+    timings_per_token: StrictBool | None = None
     post_sampling_probs: StrictBool | None = None
     stream_options: wire.StreamOptions | None = None
     echo: StrictBool | None = None
@@ -261,7 +264,8 @@ def decode_completion(body: dict[str, Any], budget_field: str = "n_predict",
         raise invalid_request("`grammar` and `json_schema` cannot be combined.")
     return TurnRequest(messages=[], max_tokens=max(0, n_predict), think=False, schema=schema,
                        grammar=parsed.grammar or None, raw_prompt=prompt, sampling=sampling,
-                       cache_prompt=parsed.cache_prompt is not False)
+                       cache_prompt=parsed.cache_prompt is not False,
+                       progress=bool(parsed.return_progress or parsed.timings_per_token))
 
 
 def decode_openai(body: dict[str, Any], default_budget: int = -1) -> TurnRequest:
@@ -331,18 +335,7 @@ def stop_type(fin: Finished) -> str:
 
 
 def timings(fin: Finished) -> dict[str, Any]:
-    gen = fin.generation
-    if gen is None:
-        return {}
-    p_ms, d_ms, n_out = gen.prefill_s * 1000.0, gen.decode_s * 1000.0, len(gen.tokens)
-    return {"cache_n": gen.n_cached, "prompt_n": gen.n_prefilled, "prompt_ms": p_ms,
-            "prompt_per_token_ms": p_ms / gen.n_prefilled if gen.n_prefilled else 0.0,
-            "prompt_per_second": gen.n_prefilled / gen.prefill_s if gen.prefill_s > 0 else 0.0,
-            "predicted_n": n_out, "predicted_ms": d_ms,
-            # the first token comes from the prompt's last logits: no decode step of its own
-            "predicted_per_token_ms": d_ms / (n_out - 1) if n_out > 1 else 0.0,
-            "predicted_per_second": (n_out - 1) / gen.decode_s
-            if n_out > 1 and gen.decode_s > 0 else 0.0}
+    return generation_timings(fin.generation) if fin.generation is not None else {}
 
 
 def _piece(text: str, raw: bytes) -> dict[str, Any]:
@@ -430,6 +423,10 @@ class LlamaEncoder(_TextEncoder):
         self.return_tokens = return_tokens
         self.slot = slot
         self.n_out = 0
+        self.show_progress = False           # `return_progress`: the prefill's chunks
+        self.per_token = False               # `timings_per_token`: timings on every chunk
+        self._prompt: dict[str, Any] = {}    # the prefill's timings, as it last reported
+        self._decode_ms = 0.0
 
     def settings(self) -> dict[str, Any]:
         return {**self.sampling.settings(), "n_predict": self.n_predict,
@@ -440,20 +437,38 @@ class LlamaEncoder(_TextEncoder):
         early = self.keepalive(ev)
         if early is not None:
             return early
+        if isinstance(ev, Progress):
+            self._prompt = progress_timings(ev.prefill)
+            if not self.show_progress:
+                return b""
+            return sse_event(None, {"index": 0, "content": "", "tokens": [], "stop": False,
+                                    "id_slot": self.slot, "tokens_predicted": 0,
+                                    "prompt_progress": ev.body(),
+                                    "timings": self._running_timings()})
         if isinstance(ev, RawTokens):
             text, ids, probs = self.take(ev)
             self.n_out += len(ids)
+            self._decode_ms += sum(t.wall_ms for t in ev.tokens)
             body: dict[str, Any] = {"index": 0, "content": text,
                                     "tokens": ids if self.return_tokens else [], "stop": False,
                                     "id_slot": self.slot, "tokens_predicted": self.n_out}
             if probs:
                 body["completion_probabilities"] = probs
+            if self.per_token:
+                body["timings"] = self._running_timings()
             return sse_event(None, body)
         if isinstance(ev, Finished):
             return sse_event(None, self.final(ev, self.rest(), streamed=True))
         if isinstance(ev, Failed):
             return self.error_event(ev.error)
         return b""
+
+    def _running_timings(self) -> dict[str, Any]:
+        """The timings so far: the prefill's as it last reported, the tokens decoded since."""
+        n, ms = self.n_out, self._decode_ms
+        return {**(self._prompt or progress_timings(None)), "predicted_n": n,
+                "predicted_ms": ms, "predicted_per_token_ms": ms / n if n else 0.0,
+                "predicted_per_second": n / (ms / 1e3) if ms > 0 else 0.0}
 
     def final(self, fin: Finished, content: str, streamed: bool) -> dict[str, Any]:
         gen = fin.generation
@@ -565,6 +580,8 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
     encoder = LlamaEncoder(req, prompt if isinstance(prompt, str) else "",
                            req.max_tokens or -1, streaming, bool(body.get("return_tokens")),
                            read_slot(body, slot_count(state)))
+    encoder.show_progress = bool(body.get("return_progress"))     # (types checked)
+    encoder.per_token = bool(body.get("timings_per_token"))
     return await serve(state, req, encoder, streaming)
 
 

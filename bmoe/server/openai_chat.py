@@ -25,6 +25,7 @@ from .turnevents import (
     Failed,
     Finished,
     Ping,
+    Progress,
     RawTokens,
     ReasoningDelta,
     Reset,
@@ -35,6 +36,7 @@ from .turnevents import (
     ToolCallStart,
     TurnEvent,
     Waiting,
+    generation_timings,
 )
 
 # -- request ------------------------------------------------------------------
@@ -121,7 +123,8 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                       max_tokens=budget, think=think, schema=schema,
                       grammar=parsed.grammar or None,
                       parallel_calls=bool(parsed.parallel_tool_calls), images=images,
-                      template_kwargs=families.effort_kwargs(parsed.reasoning_effort))
+                      template_kwargs=families.effort_kwargs(parsed.reasoning_effort),
+                      progress=bool(parsed.return_progress))
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 
@@ -159,6 +162,8 @@ class ChatEncoder:
         self.top_logprobs: int | None = None        # `logprobs` asked: the top ids a token
         self._probs: list[dict[str, Any]] = []      # every token's entry (the whole answer)
         self._pending: list[dict[str, Any]] = []    # ... not yet sent with a content delta
+        self.show_progress = False                  # `return_progress`: prefill chunks
+        self.with_timings = False                   # `timings_per_token`: the last chunks'
 
     def new_call_id(self) -> str:
         return self._new_id()
@@ -228,6 +233,13 @@ class ChatEncoder:
             case RawTokens():
                 self._take_probs(ev)
                 return b""
+            case Progress():
+                if not self.show_progress:
+                    return b""
+                body = self.envelope("chat.completion.chunk")
+                body["choices"] = []
+                body["prompt_progress"] = ev.body()
+                return sse_event(None, body)
             case TextDelta(text=text):
                 return self.chunk({"content": text})
             case ReasoningDelta(text=text):
@@ -266,13 +278,20 @@ class ChatEncoder:
     def _finished(self, fin: Finished) -> bytes:
         if self.tally is not None:
             self.tally.count(fin)
-        out = self.chunk({}, _finish_reason(fin), {"bmoe": {"summary": fin.summary}})
+        extra: dict[str, Any] = {"bmoe": {"summary": fin.summary}}
+        timings = generation_timings(fin.generation) \
+            if self.with_timings and fin.generation is not None else None
+        if timings is not None:
+            extra["timings"] = timings
+        out = self.chunk({}, _finish_reason(fin), extra)
         if not self.last:
             return out
         if self.include_usage:
             body = self.envelope("chat.completion.chunk")
             body["choices"] = []
             body["usage"] = self._usage(fin)
+            if timings is not None:
+                body["timings"] = timings
             out += sse_event(None, body)
         return out + sse_done()
 
@@ -284,10 +303,14 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked
     n = choices.read_n(body)
     top = read_logprobs(body)
+    flags = {"show_progress": bool(body.get("return_progress")),      # (types checked)
+             "with_timings": bool(body.get("timings_per_token"))}
     if n > 1 or top is not None:
         return await serve_choices(state, req, n, include_usage, bool(body.get("stream")),
-                                   top)
-    return await turnservice.serve(state, req, ChatEncoder(include_usage),
+                                   top, flags)
+    encoder = ChatEncoder(include_usage)
+    vars(encoder).update(flags)
+    return await turnservice.serve(state, req, encoder,
                                    streaming=bool(body.get("stream")),
                                    http_error=engine_http_error)
 
@@ -313,8 +336,8 @@ def read_logprobs(body: dict[str, Any]) -> int | None:
 
 
 async def serve_choices(state: ServerState, req: TurnRequest, n: int, include_usage: bool,
-                        streaming: bool, top_logprobs: int | None = None
-                        ) -> Response | StreamResponse:
+                        streaming: bool, top_logprobs: int | None = None,
+                        flags: dict[str, bool] | None = None) -> Response | StreamResponse:
     """n choices, one after another (choices.py); the whole answer lists them all. With
     `top_logprobs`, each token's log-probability and its most likely alternatives."""
     sampling = session_sampling(state)
@@ -327,6 +350,7 @@ async def serve_choices(state: ServerState, req: TurnRequest, n: int, include_us
         encoder.id, encoder.created = encoders[0].id, encoders[0].created
         encoder.index, encoder.last, encoder.tally = i, i == n - 1, tally
         encoder.top_logprobs = top_logprobs
+        vars(encoder).update(flags or {})
 
     def merge(bodies: list[dict[str, Any]]) -> dict[str, Any]:
         merged = dict(bodies[-1])

@@ -34,7 +34,7 @@ from ..engine.chatparse import (THINK_CLOSE, THINK_OPEN, AppendOnlyStream, Block
                                 random_call_ids)
 from ..engine.families import output_parser, reasoning_markers
 from ..engine.errors import EngineError
-from ..engine.session import Generation, TokenEvent
+from ..engine.session import Generation, PrefillProgress, TokenEvent
 from ..engine.turn import Prepared, TurnRequest
 from ..http.errors import HTTPError
 
@@ -105,6 +105,42 @@ class RawTokens:
     tokens: tuple[TokenEvent, ...]
 
 
+def generation_timings(gen: Generation) -> dict[str, Any]:
+    """llama-server's `timings` of a finished generation. The rate of generation is over
+    the decode steps: the first token comes from the prompt's last logits."""
+    p_ms, d_ms, n_out = gen.prefill_s * 1000.0, gen.decode_s * 1000.0, len(gen.tokens)
+    return {"cache_n": gen.n_cached, "prompt_n": gen.n_prefilled, "prompt_ms": p_ms,
+            "prompt_per_token_ms": p_ms / gen.n_prefilled if gen.n_prefilled else 0.0,
+            "prompt_per_second": gen.n_prefilled / gen.prefill_s if gen.prefill_s > 0 else 0.0,
+            "predicted_n": n_out, "predicted_ms": d_ms,
+            "predicted_per_token_ms": d_ms / (n_out - 1) if n_out > 1 else 0.0,
+            "predicted_per_second": (n_out - 1) / gen.decode_s
+            if n_out > 1 and gen.decode_s > 0 else 0.0}
+
+
+def progress_timings(p: PrefillProgress | None) -> dict[str, Any]:
+    """The prompt's part of `timings` while it prefills (nothing decoded yet)."""
+    done = p.processed - p.cache if p is not None else 0
+    ms = p.elapsed_ms if p is not None and done else 0.0
+    return {"cache_n": p.cache if p is not None else 0, "prompt_n": done, "prompt_ms": ms,
+            "prompt_per_token_ms": ms / done if done else 0.0,
+            "prompt_per_second": done / (ms / 1e3) if ms > 0 else 0.0,
+            "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0,
+            "predicted_per_second": 0.0}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the prompt's prefill has come (asked with llama-server's `return_progress`)."""
+    prefill: PrefillProgress
+
+    def body(self) -> dict[str, Any]:
+        """llama-server's `prompt_progress` object."""
+        p = self.prefill
+        return {"total": p.total, "cache": p.cache, "processed": p.processed,
+                "time_ms": p.elapsed_ms if p.processed > p.cache else 0.0}
+
+
 @dataclass(frozen=True)
 class Finished:
     model: str
@@ -126,7 +162,8 @@ class Failed:
 
 
 TurnEvent = Union[Opened, Waiting, Ping, Started, Stopped, TextDelta, ReasoningDelta, Reset,
-                  ToolCallStart, ToolArgsDelta, BlockEvent, RawTokens, Finished, Failed]
+                  ToolCallStart, ToolArgsDelta, BlockEvent, RawTokens, Progress, Finished,
+                  Failed]
 
 
 def _chat_event(delta: dict[str, Any]) -> list[TurnEvent]:

@@ -31,18 +31,18 @@ from typing import Any, Awaitable, Callable, Protocol
 import trio
 
 from ..engine.errors import EngineError
-from ..engine.session import Session, TokenEvent
+from ..engine.session import PrefillProgress, Session, TokenEvent
 from ..engine.turn import Prepared, TurnRequest, TurnResult, prepare, run_turn
 from ..http.errors import HTTPError
 from ..http.types import Response, Send, StreamResponse
 from .bridge import TokenPipe, let_go, wait_future
 from .state import ServerState
-from .turnevents import (Failed, Finished, Opened, Ping, Shape, Started, Stopped, TurnEvent,
-                         TurnOutput, Waiting)
+from .turnevents import (Failed, Finished, Opened, Ping, Progress, Shape, Started, Stopped,
+                         TurnEvent, TurnOutput, Waiting)
 
 IDLE_PING_S = 15.0  # a running stream with nothing to send for this long gets a keep-alive
 
-Batch = list[tuple[TokenEvent, dict[str, Any]]]
+Batch = list[tuple[TokenEvent | PrefillProgress, dict[str, Any] | None]]
 Emit = Callable[[TurnEvent], Awaitable[None]]
 
 
@@ -99,7 +99,8 @@ class Turn:
                 if session.ctx is None:
                     raise EngineError("failed", "The model was unloaded before this turn ran.")
                 return run_turn(session, prepared, req, self.cancel,
-                                lambda ev, rec: pipe.put((ev, rec)))
+                                lambda ev, rec: pipe.put((ev, rec)),
+                                lambda progress: pipe.put((progress, None)))
             finally:
                 pipe.close_writer()
 
@@ -146,7 +147,8 @@ async def _pump(state: ServerState, pipe: TokenPipe, on_batch: Callable[[Batch],
         if batch is None:
             return
         for _ev, rec in batch:
-            state.bus.publish("token", rec)
+            if rec is not None:                 # (a prefill's progress has no record)
+                state.bus.publish("token", rec)
         await on_batch(batch)
 
 
@@ -166,8 +168,15 @@ async def drive(turn: Turn, emit: Emit, shape: Shape | None,
                      getattr(options, "reasoning_format", "auto"))
 
     async def on_batch(batch: Batch) -> None:
-        for ev in out.feed_batch([tok for tok, _ in batch]):
-            await emit(ev)
+        tokens: list[TokenEvent] = []
+        for item, _ in batch:                   # tokens, and a prefill's progress between
+            if isinstance(item, PrefillProgress):
+                await emit(Progress(item))
+            else:
+                tokens.append(item)
+        if tokens:
+            for ev in out.feed_batch(tokens):
+                await emit(ev)
 
     result = await turn.run(on_batch, on_idle=ping)
     await emit(Stopped(result.generation.finish))

@@ -356,6 +356,8 @@ class ChatBody(Wire):
     n: Any = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[Any, Integer(0, TOP_LOGPROBS_MAX)] = None
+    return_progress: StrictBool | None = None       # llama-server's: the prefill's progress
+    timings_per_token: StrictBool | None = None     # ... and its timings on the stream
 
 
 # -- Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) --------------------------
