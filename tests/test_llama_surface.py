@@ -280,3 +280,17 @@ def test_return_progress_on_completion_and_chat(tmp_path: Path, tiny_moe: Path) 
                        for c in plain)
     finally:
         server.stop()
+
+
+def test_verbose_answers_the_prompt_read(srv: ServerProcess) -> None:
+    for verbose in (True, False):
+        status, _, body = srv.request("POST", "/chat/completions",
+                                      {"messages": MESSAGES, "max_tokens": 2,
+                                       "verbose": verbose})
+        assert status == 200, body
+        if verbose:
+            rendered = srv.request("POST", "/apply-template", {"messages": MESSAGES})[2]
+            assert body["__verbose"]["prompt"] == rendered["prompt"]
+            assert body["__verbose"]["content"] == body["choices"][0]["message"]["content"]
+        else:
+            assert "__verbose" not in body

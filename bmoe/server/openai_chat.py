@@ -164,6 +164,7 @@ class ChatEncoder:
         self._pending: list[dict[str, Any]] = []    # ... not yet sent with a content delta
         self.show_progress = False                  # `return_progress`: prefill chunks
         self.with_timings = False                   # `timings_per_token`: the last chunks'
+        self.verbose = False                        # `verbose`: the prompt in `__verbose`
 
     def new_call_id(self) -> str:
         return self._new_id()
@@ -190,6 +191,8 @@ class ChatEncoder:
                             "finish_reason": _finish_reason(fin)}]
         body["usage"] = self._usage(fin)
         body["bmoe"] = {"summary": fin.summary}
+        if self.verbose:                    # llama-server's `verbose`: what the model read
+            body["__verbose"] = {"prompt": fin.prompt_text, "content": view.content}
         return body
 
     def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -304,7 +307,8 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     n = choices.read_n(body)
     top = read_logprobs(body)
     flags = {"show_progress": bool(body.get("return_progress")),      # (types checked)
-             "with_timings": bool(body.get("timings_per_token"))}
+             "with_timings": bool(body.get("timings_per_token")),
+             "verbose": body.get("verbose") is True}
     if n > 1 or top is not None:
         return await serve_choices(state, req, n, include_usage, bool(body.get("stream")),
                                    top, flags)

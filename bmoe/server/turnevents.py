@@ -154,6 +154,7 @@ class Finished:
     summary: dict[str, Any] = field(default_factory=dict)   # the `done` keys
     call_ids: tuple[str, ...] = ()  # the ids a stream gave the calls, in order
     generation: Generation | None = None   # the engine's own account (ids, timings, stop)
+    prompt_text: str = ""           # the prompt as rendered (llama-server's `verbose`)
 
 
 @dataclass(frozen=True)

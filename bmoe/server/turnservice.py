@@ -187,7 +187,7 @@ async def drive(turn: Turn, emit: Emit, shape: Shape | None,
     fin = Finished(model=turn.model, view=out.view, finish=gen.finish, n_prompt=gen.n_prompt,
                    n_prefilled=gen.n_prefilled, n_cached=gen.n_cached, n_output=len(gen.tokens),
                    reasoning_tokens=out.reasoning_tokens, summary=result.summary,
-                   call_ids=out.call_ids(), generation=gen)
+                   call_ids=out.call_ids(), generation=gen, prompt_text=prepared.prompt_text)
     await emit(fin)
     return fin
 
