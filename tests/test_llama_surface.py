@@ -140,10 +140,18 @@ def _ipv6_loopback() -> bool:
         return False
 
 
-def test_host_lists_several_addresses(tmp_path: Path, tiny_moe: Path) -> None:
+def test_host_lists_several_addresses_and_aliases_sort(tmp_path: Path, tiny_moe: Path) -> None:
     hosts = "127.0.0.1,::1" if _ipv6_loopback() else "127.0.0.1,localhost"
-    server = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "256", "--host", hosts)
+    server = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "256", "--host", hosts,
+                          "--alias", "tinyllama-2,fim,code", "--tags", "chat,fim,small")
     try:
+        # llama-server's sorted set of names: the first in that order is the id
+        listed = server.request("GET", "/v1/models")[2]["data"]
+        assert [m["id"] for m in listed] == ["code"], listed
+        assert listed[0]["aliases"] == ["code", "fim", "tinyllama-2"]
+        assert listed[0]["tags"] == ["chat", "fim", "small"]
+        assert server.request("GET", "/props")[2]["model_alias"] == "code"
+        assert server.request("GET", "/v1/models/fim")[0] == 200
         port = int(server.url.rsplit(":", 1)[1].rstrip("/"))
         assert server.url.startswith("http://127.0.0.1:"), server.url
         for host in (["127.0.0.1", "[::1]"] if "::1" in hosts else ["127.0.0.1"]):

@@ -29,8 +29,10 @@ def options_from(args: Any) -> LlamaOptions:
     given = llama_flags.given
     parallel = given(args, F["--parallel"])
     return LlamaOptions(
-        aliases=llama_flags.split_names(given(args, F["--alias"])),
-        tags=llama_flags.split_names(given(args, F["--tags"])),
+        # llama-server keeps both in a sorted set: the model's id is the first alias in
+        # that order (`--alias tinyllama-2,fim,code` serves as "code"), as there
+        aliases=tuple(sorted(llama_flags.split_names(given(args, F["--alias"])))),
+        tags=tuple(sorted(llama_flags.split_names(given(args, F["--tags"])))),
         slots=given(args, F["--slots"]) is not False,
         metrics=bool(getattr(args, "metrics", False)),
         ui=given(args, F["--webui"]) is not False,
