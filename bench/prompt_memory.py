@@ -6,7 +6,7 @@ Writes the benchmark MoE of `stream_vs_mmap.py` (24 layers x 64 experts, top-4, 
 4.65 GiB; `--layers 12` for the 2.33 GiB one), then for every memory cap (`--caps`, in
 percent of the file's size), front end (`--modes`) and prompt size (`--prompts`, tokens)
 starts one fresh process in a fresh memory cgroup of that limit (v1 or v2,
-`bmoe.engine.cgroup.MemoryCap`), with the page cache dropped first, loads the model,
+`bmoe.machine.cgroup.MemoryCap`), with the page cache dropped first, loads the model,
 sends one prompt and asks for `--n-predict` tokens, and reads from the kernel the
 group's peak (`memory.max_usage_in_bytes` / `memory.peak`) and its OOM kills:
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _common import MIB, drop_caches  # noqa: E402
 from stream_vs_mmap import TEXT, add_model_args, make_bench_model  # noqa: E402
 
-from bmoe.engine.cgroup import MemoryCap  # noqa: E402
+from bmoe.machine.cgroup import MemoryCap  # noqa: E402
 
 BASELINE = "5b41990"        # the engine before the prompt budget (issue 29, part 2)
 MODES = {

@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from .modelmaker import main_make_model
         return main_make_model(argv[1:])
     if "--plan" in argv or "--auto" in argv:     # the planner's modes (bmoe/planner/cli.py)
-        from .planner.cli import main as plan_main
-        return plan_main(argv)
+        # Imported here, not above: the planner loads llama.cpp and numpy (1.3 s), which
+        # make-model and --describe-params do not need. (Not a cycle: it imports no cli.)
+        from .planner import cli as plan_cli
+        return plan_cli.main(argv, plan_cli.add_plan_flags(build_parser()), run_planned)
     args = build_parser().parse_args(argv)
     if args.describe_params:
         json.dump(params.describe(server=False), sys.stdout, indent=1)
@@ -282,6 +284,39 @@ def generate_once(values: dict[str, Any], prompt: str, out: Console, *, progress
             csv_file.close()
         session.close()
     return 0
+
+
+def run_planned(values: dict[str, Any], prompt: str) -> tuple[dict[str, Any], list[Any]] | None:
+    """`--auto`'s prompt with the planned values: the answer on stdout, the perf lines on
+    stderr; (the summary, the routing the streamer recorded), or None on an engine error."""
+    from .engine.errors import EngineError
+    from .engine.turn import TurnRequest, prepare, run_turn
+
+    out = Console(sys.stdout)
+    try:
+        session = open_session(values)
+    except EngineError as e:
+        print("bmoe-cli: " + params.render(e.message, "flag"), file=sys.stderr)
+        return None
+    try:
+        streamer = session.streamer
+        if streamer is not None:
+            streamer.record_routing = True
+        req = TurnRequest(messages=[{"role": "user", "content": prompt}],
+                          max_tokens=int(values.get("n-predict") or 0),
+                          think=bool(values.get("think", True)))
+        result = run_turn(session, prepare(session, req), req, threading.Event(),
+                          TurnSink(out, False).emit)
+        out.write("\n")
+        summary = result.summary
+        print(perf_lines(summary, streamer.summary() if streamer else None), end="",
+              file=sys.stderr)
+        return summary, list(getattr(streamer, "routing", []) or [])
+    except EngineError as e:
+        print("bmoe-cli: " + params.render(e.message, "flag"), file=sys.stderr)
+        return None
+    finally:
+        session.close()
 
 
 # --- session mode ------------------------------------------------------------------------------

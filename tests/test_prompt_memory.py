@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bmoe.engine.cgroup import MemoryCap, cgroup_memory, read_group
+from bmoe.machine.cgroup import MemoryCap, cgroup_memory, read_group
 from bmoe.engine.errors import LoadError
 from bmoe.engine.experts import allocs
 from bmoe.engine.experts.budget import (
@@ -154,8 +154,8 @@ def test_no_cache_holds_one_layers_set_through_a_batch() -> None:
 def test_the_compute_buffer_is_llama_cpps_own_figure_and_the_estimate_covers_it(
         moe: Path) -> None:
     import llama_cpp as lc
-    from bmoe.engine.session import _quiet_llama_logs
-    _quiet_llama_logs()
+    from bmoe.engine import backend
+    backend.start()
     mp = lc.llama_model_default_params()
     model = lc.llama_model_load_from_file(str(moe).encode(), mp)
     try:
@@ -177,9 +177,8 @@ def test_the_compute_buffer_is_llama_cpps_own_figure_and_the_estimate_covers_it(
         # the tap put the previous callback back: the session's, which drops INFO lines
         cb, data = lc.llama_log_callback(), ctypes.c_void_p()
         lc.llama_log_get(ctypes.byref(cb), ctypes.byref(data))
-        from bmoe.engine import session
         assert ctypes.cast(cb, ctypes.c_void_p).value == ctypes.cast(
-            session._log_callback_ref, ctypes.c_void_p).value
+            backend.log_callback(), ctypes.c_void_p).value
     finally:
         lc.llama_model_free(model)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -34,9 +34,6 @@ from . import conversation as cv
 from . import mcp, providers, skills, tools
 from .paths import ToolError
 
-if TYPE_CHECKING:
-    from .service import AgentService
-
 MAX_ROUNDS = 40
 TEST_SCRIPT_ENV = "BMOE_AGENT_TEST_SCRIPT"   # tests only: the local model's rounds, forced
 
@@ -47,6 +44,33 @@ SYSTEM_PROMPT = (
 SYSTEM_READ = " You may only read: writing files and running commands are not allowed here."
 
 
+class RunHost(Protocol):
+    """What a run needs from the service that holds it (AgentService is one): the
+    conversation's items and saves, the workspace, the stores. Typed here so the run does
+    not import the service that imports it."""
+
+    @property
+    def state(self) -> Any: ...
+    @property
+    def chat_only(self) -> bool: ...
+    @property
+    def skills(self) -> skills.SkillStore: ...
+    @property
+    def mcp(self) -> mcp.McpServers: ...
+    @property
+    def providers(self) -> providers.ProviderStore: ...
+
+    def add_item(self, conv: cv.Conv, item: cv.Item) -> None: ...
+    def item_changed(self, conv: cv.Conv, item: cv.Item) -> None: ...
+    def delta(self, conv: cv.Conv, item: cv.Item, **parts: str) -> None: ...
+    def set_state(self, conv: cv.Conv, state: str) -> None: ...
+    def fail(self, conv: cv.Conv, code: str, text: str) -> None: ...
+    async def save(self, conv: cv.Conv) -> None: ...
+    def workspace_root(self, conv: cv.Conv) -> Path | None: ...
+    def test_round(self) -> str | None: ...
+    def test_round_done(self) -> None: ...
+
+
 class Stopped(Exception):
     """The person stopped the run while a call waited for them."""
 
@@ -54,7 +78,7 @@ class Stopped(Exception):
 class ItemSink:
     """A round's stream → the assistant item and its tool items, with their events."""
 
-    def __init__(self, svc: AgentService, conv: cv.Conv, item: cv.Item) -> None:
+    def __init__(self, svc: RunHost, conv: cv.Conv, item: cv.Item) -> None:
         self.svc, self.conv, self.item = svc, conv, item
         self.calls: list[cv.Item] = []
 
@@ -82,7 +106,7 @@ class ItemSink:
 
 
 class Run:
-    def __init__(self, svc: AgentService, conv: cv.Conv) -> None:
+    def __init__(self, svc: RunHost, conv: cv.Conv) -> None:
         self.svc = svc
         self.conv = conv
         self.scope = trio.CancelScope()

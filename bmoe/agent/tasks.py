@@ -25,7 +25,8 @@ import datetime as dt
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Mapping
+from typing import Any, Callable, Protocol
 
 import trio
 from croniter import croniter  # type: ignore[import-untyped]
@@ -33,9 +34,7 @@ from croniter import croniter  # type: ignore[import-untyped]
 from ..http.errors import HTTPError
 from . import conversation as cv
 from . import store
-
-if TYPE_CHECKING:
-    from .service import AgentService
+from .loop import Run
 
 log = logging.getLogger("bmoe.agent")
 
@@ -82,8 +81,25 @@ def next_after(schedule: dict[str, Any] | None, t: float) -> float | None:
 
 # -- the tasks -------------------------------------------------------------------------------
 
+class TaskHost(Protocol):
+    """What the tasks need from the agent service (AgentService is one), typed here so
+    this module does not import the service that imports it."""
+
+    @property
+    def state(self) -> Any: ...
+    @property
+    def workspaces(self) -> Mapping[str, dict[str, Any]]: ...
+    @property
+    def runs(self) -> Mapping[str, Run]: ...
+
+    def running(self, cid: str) -> bool: ...
+    async def create(self, title: str, mode: str, workspace: str | None,
+                     route: str) -> cv.Conv: ...
+    async def post_message(self, conv: cv.Conv, text: str) -> cv.Item: ...
+
+
 class Tasks:
-    def __init__(self, svc: AgentService, path: Path,
+    def __init__(self, svc: TaskHost, path: Path,
                  wall: Callable[[], float] = time.time) -> None:
         self.svc, self.path, self.wall = svc, path, wall
         self.tasks: dict[str, dict[str, Any]] = {}

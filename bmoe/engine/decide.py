@@ -38,8 +38,8 @@ from typing import Any, Sequence
 
 import llama_cpp as lc
 
-from .errors import EngineError
-from .session import Session, _Aborted  # _Aborted: llama_decode stopped at our request
+from .errors import Aborted, EngineError
+from .session import Session
 from .templating import TemplateError
 
 MIB = 1 << 20
@@ -257,7 +257,7 @@ def decide(session: Session, req: DecideRequest, cancel: threading.Event) -> Dec
     result.n_reused = in_kv
     try:
         _prefill(session, req, tokens, n_keep, saved, cancel, result)
-    except _Aborted:
+    except Aborted:
         result.cancelled = True
         return result
     logp = log_softmax(session.logits_row())

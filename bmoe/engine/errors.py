@@ -28,6 +28,16 @@ class EngineError(Exception):
         return f"EngineError({self.code!r}, {self.message!r})"
 
 
+class Aborted(Exception):
+    """llama_decode stopped at the abort callback's request (the turn was cancelled):
+    raised by `Session.decode` and the projector's prefill, caught by whoever drives the
+    turn. Not an EngineError: nothing failed. `pos` is where the stopped decode began."""
+
+    def __init__(self, pos: int) -> None:
+        super().__init__(pos)
+        self.pos = pos
+
+
 class LoadError(EngineError):
     def __init__(self, message: str) -> None:
         super().__init__("failed", message)

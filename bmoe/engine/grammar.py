@@ -446,6 +446,8 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     elif framing == QWEN3_CODER:
         conv, bodies = _coder_bodies(functions)
     else:
+        # Imported here: grammar_calls builds on this module's converter (a documented
+        # exception in .importlinter: one module split in two, the cycle kept inside).
         from .families.grammar_calls import family_call_grammar
         return family_call_grammar(framing, tools, allow_reasoning=allow_reasoning,
                                    starts_in_reasoning=starts_in_reasoning, parallel=parallel)

@@ -32,8 +32,8 @@ import llama_cpp as lc
 from .calibrate import Arm, Trial
 from . import families
 from .chatparse import detect_framing
-from .errors import EngineError, LoadError, context_full
-from . import builtin_templates, kernels, params
+from .errors import Aborted, EngineError, LoadError, context_full
+from . import backend, builtin_templates, kernels, params
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
 from .sampling import (Sampling, build_chain, chain_biases, post_sampling_logprobs,
@@ -47,7 +47,6 @@ SEED_RANDOM = 4294967295
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 PREFILL_CHUNK = params.PROMPT_BATCH  # tokens per llama_decode by default (batch-size)
 MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file (the largest real ones are ~40 KiB)
-_GGML_LOG_LEVEL_ERROR = 4  # ggml.h enum ggml_log_level
 
 
 class Streamer(Protocol):
@@ -103,29 +102,6 @@ class Generation:
     stop_word: str = ""              # the `Sampling.stop` string that ended it, if one did
 
 
-_log_callback_ref = None
-_backend_ready = False
-_backend_lock = threading.Lock()
-
-
-def _quiet_llama_logs() -> None:
-    """Route llama.cpp's logs: errors to stderr, the rest dropped."""
-    global _log_callback_ref, _backend_ready
-    with _backend_lock:
-        if _backend_ready:
-            return
-
-        @lc.llama_log_callback
-        def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            if level == _GGML_LOG_LEVEL_ERROR and os.environ.get("BMOE_LLAMA_LOG", "1") != "0":
-                os.write(2, b"llama.cpp: " + text)
-
-        _log_callback_ref = _log
-        lc.llama_log_set(_log, ctypes.c_void_p(0))
-        lc.llama_backend_init()
-        _backend_ready = True
-
-
 def _meta(model: Any, key: str) -> str | None:
     buf = ctypes.create_string_buffer(4096)
     n = lc.llama_model_meta_val_str(model, key.encode(), buf, ctypes.sizeof(buf))
@@ -161,7 +137,7 @@ class Session:
 
     def __init__(self, model_path: str | os.PathLike[str], values: dict[str, Any],
                  streamer_factory: Callable[["Session"], Streamer | None] | None = None) -> None:
-        _quiet_llama_logs()
+        backend.start()
         self.path = Path(model_path)
         self.values = dict(values)
         self.kv_tokens: list[int] = []
@@ -463,7 +439,7 @@ class Session:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
         return chain
 
-    def _decode(self, tokens: list[int], pos0: int, want_logits: bool) -> None:
+    def decode(self, tokens: list[int], pos0: int, want_logits: bool) -> None:
         """Decode `tokens` at positions pos0.. in chunks; raises on abort or failure."""
         b = self._batch
         for start in range(0, len(tokens), self.n_batch):
@@ -482,15 +458,15 @@ class Session:
             rc = self.rpc.decode(self.ctx, b) if self.rpc is not None else \
                 lc.llama_decode(self.ctx, b)
             if self.streamer is not None:
-                self._check_streamer(pos0)
+                self.check_streamer(pos0)
             if rc == 2:
-                raise _Aborted(pos0 + start)
+                raise Aborted(pos0 + start)
             if rc != 0:
                 raise EngineError("failed", f"llama_decode failed with code {rc}.")
             if self._on_progress is not None:
                 self._on_progress(pos0 + start + n)
 
-    def _check_streamer(self, pos0: int) -> None:
+    def check_streamer(self, pos0: int) -> None:
         """A streamer failure stopped the graph: forget this decode's KV, raise it."""
         message = self.streamer.failure() if self.streamer is not None else None
         if message:
@@ -501,7 +477,7 @@ class Session:
         """Decode the prompt past `reused`; images (negative ids) through the projector.
         Returns where decoding started (an image is decoded whole, so maybe earlier)."""
         if self.vision is None or min(prompt[reused:], default=0) >= 0:
-            self._decode(prompt[reused:], reused, want_logits=True)
+            self.decode(prompt[reused:], reused, want_logits=True)
             return reused
         start = reuse_start(self.vision, prompt, reused)
         try:
@@ -537,7 +513,7 @@ class Session:
             self.streamer.prefill_begin()
         try:
             reused = self._decode_prompt(prompt, reused, cancel)
-        except _Aborted:
+        except Aborted:
             lc.llama_memory_seq_rm(self.memory, 0, reused, -1)
             raise
         finally:
@@ -573,7 +549,7 @@ class Session:
                 if on_progress is not None:
                     self._watch_prefill(prompt, on_progress, t_start)
                 reused, prefill_s = self.prefill(prompt, cancel)
-            except _Aborted:
+            except Aborted:
                 return Generation("cancelled", [], "", len(prompt), 0, 0,
                                   time.monotonic() - t_start, 0.0, 0.0, len(self.kv_tokens))
             finally:
@@ -644,9 +620,9 @@ class Session:
                 if len(out) < budget:
                     t_step = self._trial_arm()
                     try:
-                        self._decode([tok], len(self.kv_tokens), want_logits=True)
+                        self.decode([tok], len(self.kv_tokens), want_logits=True)
                         self._trial_step(t_step)
-                    except _Aborted:
+                    except Aborted:
                         lc.llama_memory_seq_rm(self.memory, 0, len(self.kv_tokens), -1)
                         finish = "cancelled"
                         # the sampled token was shown to nobody yet: report it, but the
@@ -760,14 +736,6 @@ class _StopWatch:
         return bool(hits)
 
 
-class _Aborted(Exception):
-    """llama_decode stopped at the abort callback's request."""
-
-    def __init__(self, pos: int) -> None:
-        super().__init__(pos)
-        self.pos = pos
-
-
 # -- the context's attention and KV cache settings ----------------------------------------
 
 _FLASH_ATTN = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -877,4 +845,4 @@ class _LlamaLog:
     def errors(self) -> list[str]:
         return [line.decode("utf-8", "replace").strip().split(": ", 1)[-1]
                 for line, level in zip(self.lines, self._levels, strict=True)
-                if level == _GGML_LOG_LEVEL_ERROR and line.strip()]
+                if level == backend.GGML_LOG_LEVEL_ERROR and line.strip()]

@@ -14,6 +14,8 @@ import resource
 import time
 from typing import Any
 
+from ..machine import mem_available
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _SAMPLE_S = 0.25          # memory figures are re-read at most this often
 _TEMP_SAMPLE_S = 1.5      # CPU temperature sampling period (the contract's)
@@ -81,14 +83,8 @@ def rss_mib() -> float:
 
 
 def mem_available_mib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
-        pass
-    return 0.0
+    """MemAvailable in MiB, by the one reader (`bmoe.machine`); 0 when unread."""
+    return mem_available() / (1 << 20)
 
 
 def token_record(step: int, steps: int, wall_ms: float, streamer: dict[str, Any],

@@ -19,7 +19,7 @@ those libmtmd gives (`n_pos`, which an M-RoPE projector makes smaller than the
 image's token count).
 
 *Prefill.* `prefill` walks the prompt from where the reuse ended: text runs through the
-session's own `_decode` (the abort callback and the expert streamer's graph callback
+session's own `decode` (the abort callback and the expert streamer's graph callback
 are the context's, so both work as for text), image runs through `mtmd_encode_chunk`
 then `mtmd_helper_decode_image_chunk`, whose `llama_decode` calls run on the same
 context. Cancelling reaches the encoder: the projector's graph runs with an eval
@@ -38,16 +38,16 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import llama_cpp as lc
 from llama_cpp import mtmd_cpp as mtmd
 
-from .errors import EngineError, LoadError
+from ..models.pairing import projector_for
+from ..models.probe import probe_file
+from . import backend
+from .errors import Aborted, EngineError, LoadError
 from .images import Bitmap, ImageInput, ImageRefused, ImageSet, decode_rgb
-
-if TYPE_CHECKING:
-    from .session import Session
 
 log = logging.getLogger("bmoe.vision")
 
@@ -57,11 +57,36 @@ _ID_SPAN = 2**31 - 2
 _NO_POST_DECODE = ctypes.cast(None, mtmd.mtmd_helper_post_decode_callback)  # type: ignore[arg-type]
 
 
+class Session(Protocol):
+    """What the projector reads and calls on the session it sits beside
+    (`session.Session` is the one): typed here, as the session imports this module."""
+
+    @property
+    def path(self) -> Path: ...
+    @property
+    def values(self) -> dict[str, Any]: ...
+    @property
+    def model(self) -> Any: ...
+    @property
+    def ctx(self) -> Any: ...
+    @property
+    def memory(self) -> Any: ...
+    @property
+    def n_batch(self) -> int: ...
+    @property
+    def compute_threads(self) -> int: ...
+    @property
+    def streamer(self) -> Any: ...
+
+    def tokenize(self, text: str, *, special: bool = True,
+                 add_special: bool | None = None) -> list[int]: ...
+    def decode(self, tokens: list[int], pos0: int, want_logits: bool) -> None: ...
+    def check_streamer(self, pos0: int) -> None: ...
+
+
 def _quiet_mtmd_logs() -> None:
     """libmtmd's logs go where llama.cpp's go: errors to stderr, the rest dropped."""
-    from . import session as session_module
-
-    callback = session_module._log_callback_ref
+    callback = backend.log_callback()
     if callback is not None:
         mtmd.mtmd_log_set(callback, None)
         mtmd.mtmd_helper_log_set(callback, None)
@@ -117,7 +142,7 @@ class VisionPrompt:
 
 
 class Vision:
-    def __init__(self, session: "Session", projector: Path, image_max_tokens: int = 0) -> None:
+    def __init__(self, session: Session, projector: Path, image_max_tokens: int = 0) -> None:
         self.projector = projector
         self.encodes = 0
         self._cancel: threading.Event | None = None
@@ -146,7 +171,7 @@ class Vision:
         self.mrope = bool(mtmd.mtmd_decode_use_mrope(self.ctx))
         self.fixed_tokens, self.max_tokens = self._measure(session)
 
-    def _measure(self, session: "Session") -> tuple[int, int]:
+    def _measure(self, session: Session) -> tuple[int, int]:
         """Tokens of a small and of a large image: equal for a fixed-size projector."""
         counts = []
         for side in (64, 2048):
@@ -191,7 +216,7 @@ class Vision:
 
     # -- prompts ---------------------------------------------------------------
 
-    def build_prompt(self, session: "Session", text: str, images: ImageSet) -> VisionPrompt:
+    def build_prompt(self, session: Session, text: str, images: ImageSet) -> VisionPrompt:
         """The prompt's ids: text tokenized, each image as its ids (engine thread).
 
         An image seen before (its hash in `_shapes`) is not decoded again here: its ids
@@ -299,7 +324,7 @@ class Vision:
                 return im
         return None
 
-    def prefill(self, session: "Session", prompt: list[int], start: int,
+    def prefill(self, session: Session, prompt: list[int], start: int,
                 cancel: threading.Event) -> None:
         """Decode `prompt[start:]` (text and images) at positions start.. ."""
         try:
@@ -307,7 +332,7 @@ class Vision:
         finally:
             self.free_chunks()
 
-    def _prefill(self, session: "Session", prompt: list[int], start: int,
+    def _prefill(self, session: Session, prompt: list[int], start: int,
                  cancel: threading.Event) -> None:
         pos = start
         n = len(prompt)
@@ -320,7 +345,7 @@ class Vision:
                 if end == pos:
                     raise EngineError("failed", "The prompt holds an image that was not "
                                       "prepared with it.")
-                session._decode(prompt[pos:end], pos, want_logits=end == n)
+                session.decode(prompt[pos:end], pos, want_logits=end == n)
                 pos = end
                 continue
             self._encode_and_decode(session, im, pos, cancel)
@@ -328,10 +353,8 @@ class Vision:
         if prompt and prompt[-1] < 0:
             raise EngineError("failed", "A prompt must end in text after its last image.")
 
-    def _encode_and_decode(self, session: "Session", im: PromptImage, pos: int,
+    def _encode_and_decode(self, session: Session, im: PromptImage, pos: int,
                            cancel: threading.Event) -> None:
-        from .session import _Aborted
-
         if im.chunk is None:          # an image seen before, not decoded at prepare
             self._make_chunk(im)
         self._cancel = cancel
@@ -341,7 +364,7 @@ class Vision:
         finally:
             self._cancel = None
         if cancel.is_set():
-            raise _Aborted(pos)
+            raise Aborted(pos)
         if rc != 0:
             raise EngineError("failed", "The projector could not encode an image.")
         self.encodes += 1
@@ -351,15 +374,15 @@ class Vision:
                                                  session.n_batch, ctypes.byref(new_pos),
                                                  _NO_POST_DECODE, None)
         if session.streamer is not None:
-            session._check_streamer(pos)
+            session.check_streamer(pos)
         if rc == 2 or cancel.is_set():
-            raise _Aborted(pos)
+            raise Aborted(pos)
         if rc != 0:
             lc.llama_memory_seq_rm(session.memory, 0, pos, -1)
             raise EngineError("failed", f"llama_decode failed on an image with code {rc}.")
 
 
-def _tokens(session: "Session", text: str, first: bool) -> list[int]:
+def _tokens(session: Session, text: str, first: bool) -> list[int]:
     if not text:
         return []
     return session.tokenize(text) if first else session.tokenize(text, add_special=False)
@@ -374,7 +397,7 @@ def reuse_start(vision: Vision | None, prompt: list[int], reused: int) -> int:
     return im.start if im is not None and im.start < reused else reused
 
 
-def open_vision(session: "Session") -> Vision | None:
+def open_vision(session: Session) -> Vision | None:
     """The session's projector: the `mmproj` parameter's file, else (unless `mmproj-auto`
     is off) the one its folder pairs with the model by their headers; None when there is
     none.
@@ -383,9 +406,6 @@ def open_vision(session: "Session") -> Vision | None:
     reason; one the folder paired is left out with a warning, and the model loads
     without images. Either way its header is read in Python first, so libmtmd is only
     given a file that is a projector by its header."""
-    from ..models.pairing import projector_for
-    from ..models.probe import probe_file
-
     named = str(session.values.get("mmproj") or "").strip()
     pair = session.values.get("mmproj-auto", True) is not False
     path = Path(named).expanduser() if named else projector_for(session.path) if pair else None

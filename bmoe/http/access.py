@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from .errors import HTTPError
 from .routes import Access, Lookup, RouteTable
 from .types import Request
+from .types import is_loopback_address as is_loopback_address  # where it was first
 
 
 @dataclass
@@ -60,17 +61,6 @@ class AccessPolicy:
 
 
 _SECURITY_OK_FETCH_SITES = {"same-origin", "none"}
-
-
-def is_loopback_address(ip: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and an IPv4-mapped loopback (``::ffff:127.0.0.1``)."""
-    try:
-        addr = ipaddress.ip_address(ip.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
 
 
 def check_access(request: Request, policy: AccessPolicy, routes: RouteTable) -> Lookup:

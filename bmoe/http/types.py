@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -9,6 +10,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import invalid_request
+
+
+def is_loopback_address(ip: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and an IPv4-mapped loopback (``::ffff:127.0.0.1``)."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
 
 
 @dataclass
@@ -37,7 +49,6 @@ class Request:
 
     @property
     def peer_is_loopback(self) -> bool:
-        from .access import is_loopback_address
         return is_loopback_address(self.peer[0])
 
     def json(self) -> Any:

@@ -340,6 +340,13 @@ class ModelProbe:
         return p
 
 
+def stream_floor(p: ModelProbe) -> int:
+    """What a streamed MoE keeps resident at the least: its dense weights and one token
+    cycle of cache (the inspect verdict's figure and the plan's; a load adds the context
+    and runtime)."""
+    return int(p.dense_bytes + p.token_cycle_bytes)
+
+
 def _base_names(kv: dict[str, Any]) -> tuple[str, ...]:
     """`general.basename` and the base models' names: what a projector may be paired by."""
     names = [_str(kv.get("general.basename"))]

@@ -4,18 +4,18 @@ Pure: ``Machine`` holds the figures (read by ``machine_now``), ``verdict`` turns
 the model's size and those figures into the codes a UI colours by and the sentences it
 shows as they are. Sizes in the sentences are MiB, rounded down.
 
-What this process may hold (``residency_budget``) and what a streamed model keeps
-resident (``stream_floor``) are the planner's (``bmoe/planner``): the same figures a
-load in auto mode decides with.
+What this process may hold (``residency_budget``, by ``bmoe.machine``) and what a
+streamed model keeps resident (``probe.stream_floor``) are the figures the planner
+(``bmoe/planner``) decides a load in auto mode with.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .probe import ModelProbe
+from ..machine import memory_total, probe_memory
+from .probe import ModelProbe, stream_floor
 
 MIB = 1 << 20
 
@@ -34,28 +34,9 @@ class Machine:
         return asdict(self)
 
 
-def mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def memory_total() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
-
-
 def residency_budget() -> int:
-    """What this process may hold, by the planner's memory probe (MemAvailable, or the
+    """What this process may hold, by the one memory probe (MemAvailable, or the
     memory cgroup's headroom when tighter, the tightest limit up to the root)."""
-    from ..planner.probes import probe_memory
     return probe_memory().budget
 
 
@@ -127,7 +108,6 @@ def _budget_words(m: Machine) -> str:
 
 
 def _streams(p: ModelProbe, m: Machine) -> dict[str, str]:
-    from ..planner.plan import stream_floor
     floor = stream_floor(p)
     head = (f"the experts stream from flash and {mib(p.dense_bytes)} MiB stays resident, plus "
             f"a cache of at least one token cycle ({mib(p.token_cycle_bytes)} MiB)")

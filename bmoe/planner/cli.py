@@ -12,13 +12,13 @@ import argparse
 import json
 import os
 import sys
-import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..engine import params
 from .measure import PlanError, measure
-from .plan import Plan
+from .plan import Plan, label_of
+from .probes import model_facts
 from .routing import append_record, cost_key, cost_path, record_path, write_cost
 
 
@@ -34,9 +34,9 @@ def data_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "bmoe"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from ..cli import build_parser as cli_parser
-    p = cli_parser()
+def add_plan_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """bmoe-cli's parser (given by bmoe/cli.py, the composition root) plus the planner's
+    modes."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--plan", action="store_true", help="print the plan for this model on "
                    "this machine and exit")
@@ -47,8 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+# One planned prompt, run by bmoe/cli.py: (the turn's summary, the routing rows the
+# streamer recorded), or None when it failed (the CLI has said why).
+RunPrompt = Callable[[dict[str, Any], str], "tuple[dict[str, Any], list[Any]] | None"]
+
+
+def main(argv: list[str], parser: argparse.ArgumentParser, run: RunPrompt) -> int:
+    """`parser`: bmoe-cli's, with `add_plan_flags`; `run`: how the CLI runs a prompt."""
+    args = parser.parse_args(argv)
     given = params.values_from_namespace(args)
     values = {**params.defaults(server=False), **given}
     if not values.get("model"):
@@ -73,7 +79,14 @@ def main(argv: list[str]) -> int:
     print(plan_text(plan), file=sys.stderr)
     if not plan.fits:
         return 1
-    return run_planned(plan, {**values, **plan.values}, args.prompt, routing)
+    values = {**values, **plan.values}
+    got = run(values, args.prompt)
+    if got is None:
+        return 1
+    summary, rows = got
+    _keep(routing, Path(values["model"]), values, summary, rows)
+    _compare(plan, summary)
+    return 0
 
 
 def _progress(step: str, label: str, index: int, count: int) -> None:
@@ -96,43 +109,7 @@ def plan_text(plan: Plan) -> str:
 
 
 def _label(knob: str) -> str:
-    from .plan import label_of
     return label_of(knob)
-
-
-def run_planned(plan: Plan, values: dict[str, Any], prompt: str, routing: Path) -> int:
-    from ..cli import Console, TurnSink, open_session, perf_lines
-    from ..engine.errors import EngineError
-    from ..engine.turn import TurnRequest, prepare, run_turn
-
-    out = Console(sys.stdout)
-    try:
-        session = open_session(values)
-    except EngineError as e:
-        print("bmoe-cli: " + params.render(e.message, "flag"), file=sys.stderr)
-        return 1
-    try:
-        streamer = session.streamer
-        if streamer is not None:
-            streamer.record_routing = True
-        req = TurnRequest(messages=[{"role": "user", "content": prompt}],
-                          max_tokens=int(values.get("n-predict") or 0),
-                          think=bool(values.get("think", True)))
-        result = run_turn(session, prepare(session, req), req, threading.Event(),
-                          TurnSink(out, False).emit)
-        out.write("\n")
-        summary = result.summary
-        print(perf_lines(summary, streamer.summary() if streamer else None), end="",
-              file=sys.stderr)
-        _keep(routing, Path(values["model"]), values, summary,
-              list(getattr(streamer, "routing", []) or []))
-        _compare(plan, summary)
-    except EngineError as e:
-        print("bmoe-cli: " + params.render(e.message, "flag"), file=sys.stderr)
-        return 1
-    finally:
-        session.close()
-    return 0
 
 
 def _compare(plan: Plan, summary: dict[str, Any]) -> None:
@@ -152,7 +129,6 @@ def _keep(routing: Path, model: Path, values: dict[str, Any], summary: dict[str,
     if not tokens or tok_s <= 0 or summary.get("cancelled"):
         return
     try:
-        from .probes import model_facts
         facts = model_facts(model)
         p = facts.probe
         if rows and p.is_moe:

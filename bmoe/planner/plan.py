@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import params
+from ..models.probe import stream_floor
 from ..engine.experts.budget import batch_layer_bytes, edge_bytes, estimate_compute, shape_of
-from .probes import GIB, MIB, ComputeFacts, MemoryFacts, ModelFacts, StorageFacts
+from .probes import (GIB, MIB, ComputeFacts, MemoryFacts, ModelFacts, StorageFacts,
+                     memory_figures)
 from .routing import RoutingRecord, cost_key, default_hit_rate, policy_hit_rate
 
 CTX_ADVICE = 16384             # the spec's ctx advice (RunConfig::ctx_for_clients)
@@ -311,12 +313,6 @@ def make_plan(inp: PlanInputs) -> Plan:
                 floor_bytes=floor)
 
 
-def stream_floor(p: Any) -> int:
-    """What a streamed MoE keeps resident at the least: its dense weights and one token
-    cycle of cache (the inspect verdict's figure; a load adds the context and runtime)."""
-    return int(p.dense_bytes + p.token_cycle_bytes)
-
-
 def _leave(inp: PlanInputs) -> int:
     """Memory left to other programs: the RAM-to-leave setting on a whole machine, none
     inside a memory cgroup (its limit is this process's own)."""
@@ -486,7 +482,7 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
     b.add("compute-rate", round(inp.compute.rate()), inp.compute.figure().source,
           inp.compute.figure().text)
     b.add("memory-ledger", budget, "measured" if budget else "unprobed",
-          f"{size_text(budget)} this process may hold.", inp.memory.figures()[
+          f"{size_text(budget)} this process may hold.", memory_figures(inp.memory)[
               "memory-budget"].text)
 
 
@@ -711,7 +707,7 @@ def _machine(inp: PlanInputs) -> str:
 
 
 def _measurements(inp: PlanInputs) -> dict[str, Any]:
-    figs = {k: v.to_json() for k, v in inp.memory.figures().items()}
+    figs = {k: v.to_json() for k, v in memory_figures(inp.memory).items()}
     figs["storage-rate"] = inp.storage.figure().to_json()
     figs["compute-rate"] = inp.compute.figure().to_json()
     return {"figures": figs, "storage": inp.storage.to_json(),

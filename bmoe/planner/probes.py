@@ -6,8 +6,9 @@ Each probe answers with ``Figure``s: a value, its ``source`` (``measured``, ``de
 ``policy``, ``operator``, ``unprobed``) and a sentence that says what was measured. A
 probe that cannot measure says ``unprobed`` and why; it never invents a number.
 
-* ``probe_memory`` — MemAvailable, the memory cgroup's limit (v1 or v2, the tightest on
-  the path to the root) and the headroom under it, and what the loaded model holds.
+* ``probe_memory`` (``bmoe.machine``'s, the one reader) — MemAvailable, the memory
+  cgroup's limit (v1 or v2, the tightest on the path to the root) and the headroom under
+  it, and what the loaded model holds; ``memory_figures`` says them as figures.
 * ``probe_storage`` — random O_DIRECT reads of expert-sized blocks from the model's own
   file, at the offsets of its expert tensors, over 1, 2 and 4 reader lanes, each for a
   fraction of a second. O_DIRECT reads bypass the page cache, so it is left as it was.
@@ -30,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.cgroup import cgroup_memory as read_cgroup_memory
+from ..machine import MemoryFacts as MemoryFacts      # the planner's inputs name them
+from ..machine import probe_memory as probe_memory
 from ..models.probe import Header, ModelProbe, TensorInfo, Unreadable, read_file_header
-from ..models.verdict import mem_available, memory_total
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -131,37 +132,16 @@ def model_facts(path: str | os.PathLike[str]) -> ModelFacts:
 
 # --- memory ---------------------------------------------------------------------------------
 
-@dataclass
-class MemoryFacts:
-    total: int
-    available: int                 # MemAvailable
-    cgroup_limit: int | None       # the tightest memory cgroup limit, None without one
-    cgroup_headroom: int | None    # what that cgroup still lets this process take
-    loaded_held: int               # what the loaded model holds (given, 0 without one)
-
-    @property
-    def budget(self) -> int:
-        """What this process may hold for a model loaded now (the loaded one unloaded)."""
-        room = self.available
-        if self.cgroup_headroom is not None:
-            room = min(room, self.cgroup_headroom) if room else self.cgroup_headroom
-        room = max(0, room) + self.loaded_held
-        return min(room, self.total) if self.total else room
-
-    @property
-    def cgroup_bound(self) -> bool:
-        return self.cgroup_headroom is not None and (
-            not self.available or self.cgroup_headroom < self.available)
-
-    def figures(self) -> dict[str, Figure]:
-        out = {"memory-total": Figure(self.total, "measured", "the machine's memory"),
-               "memory-available": Figure(self.available, "measured" if self.available
-                                          else "unprobed", "MemAvailable in /proc/meminfo")}
-        if self.cgroup_limit is not None:
-            out["cgroup-limit"] = Figure(self.cgroup_limit, "measured",
-                                         "this process's memory cgroup limit")
-        out["memory-budget"] = Figure(self.budget, "derived", _budget_text(self))
-        return out
+def memory_figures(m: MemoryFacts) -> dict[str, Figure]:
+    """The memory facts (`bmoe.machine`) as the plan's figures."""
+    out = {"memory-total": Figure(m.total, "measured", "the machine's memory"),
+           "memory-available": Figure(m.available, "measured" if m.available
+                                      else "unprobed", "MemAvailable in /proc/meminfo")}
+    if m.cgroup_limit is not None:
+        out["cgroup-limit"] = Figure(m.cgroup_limit, "measured",
+                                     "this process's memory cgroup limit")
+    out["memory-budget"] = Figure(m.budget, "derived", _budget_text(m))
+    return out
 
 
 def _budget_text(m: MemoryFacts) -> str:
@@ -170,18 +150,6 @@ def _budget_text(m: MemoryFacts) -> str:
     if m.loaded_held:
         text += f", plus the {m.loaded_held // MIB} MiB the loaded model holds"
     return text
-
-
-def probe_memory(loaded_held: int = 0) -> MemoryFacts:
-    limit, headroom = cgroup_memory()
-    return MemoryFacts(memory_total(), mem_available(), limit, headroom, loaded_held)
-
-
-def cgroup_memory() -> tuple[int | None, int | None]:
-    """(limit, headroom) of this process's memory cgroup: the tightest level up to the root,
-    read by the one reader the expert cache's budget uses too (`bmoe.engine.cgroup`)."""
-    cg = read_cgroup_memory()
-    return (cg.limit, cg.headroom) if cg is not None else (None, None)
 
 
 # --- storage --------------------------------------------------------------------------------

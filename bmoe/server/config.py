@@ -45,6 +45,13 @@ SETTINGS_VERSION = 1
 AUTO_PLAN_DEFAULT = True    # every load plans first, unless the person turned it off
 
 
+def default_data_dir() -> Path:
+    """`--data-dir`'s default: $XDG_DATA_HOME/bmoe, or ~/.local/share/bmoe."""
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
+    return base / "bmoe"
+
+
 class OutsideModelsDir(ValueError):
     """A model path a client named resolves outside every folder models are listed from."""
 

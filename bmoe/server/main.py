@@ -19,19 +19,16 @@ from ..http import access
 from ..http.parent import process_alive
 from ..http.routes import RouteTable
 from ..http.server import HttpApp, serve_http, watch_parent
-from .config import ConfigStore
+from .config import ConfigStore, default_data_dir
 from .events import EventBus
-from . import launch_files, llama_compat, llama_flags, models_routes, plan_routes
+from . import launch_files, llama_compat, llama_flags, models_cli, models_routes, plan_routes
 from ..agent import api as agent_api
+from ..service import cli as service_cli
+from ..service.autoload import AutoloadState, with_autoload
+from ..service.stopping import watch_signals
 from .routes import build_routes
 from .shapes import error_shaper
 from .state import ServerOptions, ServerState
-
-
-def default_data_dir() -> Path:
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
-    return base / "bmoe"
 
 
 def assets_dir() -> Path | None:
@@ -169,13 +166,11 @@ def parent_from_env(value: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["service"]:
-        from ..service.cli import main as service_main
-        return service_main(argv[1:])
+        return service_cli.main(argv[1:])
     if argv[:1] == ["rpc-worker"]:
         return rpc_worker_main(argv[1:])
     if argv[:1] == ["models"]:
-        from .models_cli import main as models_main
-        return models_main(argv[1:])
+        return models_cli.main(argv[1:])
     parser = build_parser()
     argv = llama_flags.respell(argv, parser)
     argv, file_lines = llama_compat.config_argv(argv, parser)
@@ -221,15 +216,12 @@ def route_table(state: Any, args: argparse.Namespace) -> RouteTable:
     is then an ``AutoloadState``) a request to a route that runs the model loads it first."""
     routes = build_routes(state)
     if args.autoload:
-        from ..service.autoload import with_autoload  # bmoe.service imports this module
         routes = with_autoload(routes, state)
     return routes
 
 
 async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.AccessPolicy,
                 args: argparse.Namespace) -> None:
-    from ..service.autoload import AutoloadState
-    from ..service.stopping import watch_signals
     config = ConfigStore(options.data_dir, launch)
     bus = EventBus()
     kind = AutoloadState if args.autoload else ServerState

@@ -27,6 +27,7 @@ import trio
 
 from ..models.errors import ModelsError
 from ..models.service import ModelsService
+from .config import default_data_dir
 from .progress import mb
 from .pulling import (INTERRUPTED_EXIT, Backend, LocalBackend, Puller, RemoteBackend,
                       is_interrupt, models_error_of, with_service)
@@ -114,7 +115,6 @@ def _run(args: argparse.Namespace, backend: Backend, token: str,
 # -- where the operations run -----------------------------------------------------------
 
 def data_dir_of(args: argparse.Namespace) -> Path:
-    from .main import default_data_dir
     return (args.data_dir or default_data_dir()).expanduser().resolve()
 
 

@@ -3,7 +3,7 @@ whether a prompt then fits in this process's memory.
 
 `auto` sizes the cache once, at load, from the memory this process may still take:
 the smaller of the system's MemAvailable and the headroom under the memory cgroup's
-limit (`bmoe.engine.cgroup`), minus what a prompt batch needs beside the cache, minus
+limit (`bmoe.machine.cgroup`), minus what a prompt batch needs beside the cache, minus
 `cache-floor-mb`; then at least one token cycle and at most every expert's bytes, and
 at most `cache-ceil-mb` when that is set.
 
@@ -37,9 +37,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cgroup import cgroup_memory
+from ...machine import mem_available
+from ...machine.cgroup import cgroup_memory
 from ..errors import LoadError
-from ..telemetry import mem_available_mib
 
 MIB = 1 << 20
 PAGE = 4096
@@ -93,7 +93,7 @@ class Budget:
 def memory_room(extra_held: int = 0) -> Room:
     """The smaller of MemAvailable and the cgroup's headroom; `extra_held` is memory the
     cgroup counts as reclaimable that the engine needs (dense weights on the mapping)."""
-    avail = int(mem_available_mib() * MIB)
+    avail = mem_available()
     cg = cgroup_memory()
     if cg is not None and cg.headroom - extra_held < avail:
         return Room(cg.headroom - extra_held, "memory cgroup", cg.limit, cg.held + extra_held)

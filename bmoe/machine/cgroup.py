@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 A memory cgroup caps what a process may hold, page cache included, and the kernel
 OOM-kills the process that goes over. Two things here read that limit — the expert
-cache's budget (`experts/budget.py`) and the planner's memory probe
-(`planner/probes.py`) — and both go through `cgroup_memory()`, so they cannot disagree.
+cache's budget (`engine/experts/budget.py`) and the planner's memory probe
+(`planner/probes.py`, through `bmoe.machine`) — and both go through `cgroup_memory()`, so they cannot disagree.
 
 Where the groups are comes from `/proc/self/mountinfo` (the `cgroup` mount carrying the
 `memory` controller for v1, the `cgroup2` mount for v2: on a hybrid host both exist and
