@@ -310,15 +310,16 @@ def llama_cases() -> list[Case]:
     base: dict[str, Any] = {"prompt": "hi", "n_predict": 2}
     ids = [-1, 576, 2**31, 2**63, -(2**63)]
     fields: dict[str, list[Any]] = {
-        "prompt": [None, 1, True, {}, [], [None], [1.5], [[1, 2], [3]], [[1], "x"], *[[i] for i in ids],
-                   [1, 2, 10**30]],
+        "prompt": [None, 1, True, {}, [], [None], [1.5], [[1, 2], [-3]], [[1], 7], [[1]] * 17,
+                   {"prompt_string": 1}, {"prompt_string": "x", "multimodal_data": ["a"]},
+                   *[[i] for i in ids], [1, 2, 10**30]],
         "n_predict": [-2, 0, "5", True, 1.5, [], 2**31, -(2**40)],
         "temperature": ["hot", [], {}, True, 1e400, -1e400],
         "top_k": ["5", 1.5, [], 2**40], "top_p": [-0.1, 1.5, "x"], "min_p": [2, -1, []],
         "repeat_penalty": [0, -1, "x"], "repeat_last_n": [-2, 2**40, "x"],
         "seed": [-2, 2**33, "x", 1.5], "n_probs": [-1, 101, 10**9, "x", 1.5, True],
-        "logit_bias": [1, "x", True, [1], [[1]], [[1, 2, 3]], {"x": 1}, {"1": 101}, {"1": "x"},
-                       {"1": True}, *[{str(i): 1} for i in ids], [[576, 1]], [["1", 1]],
+        "logit_bias": [1, "x", True, [1], [[1]], [[1, 2, 3]], {"": 1}, {"1": 101}, {"1": "x"},
+                       {"1": True}, *[{str(i): 1} for i in ids], [[576, 1]], [["x" * 300, 1]],
                        {"01": 1, "1": 2}],
         "stop": [1, True, {}, [1], ["x" * 300], ["a"] * 17],
         "grammar": [1, [], "root ::= x", "root ::= " + "(" * 5000, "\x00"],
@@ -328,8 +329,10 @@ def llama_cases() -> list[Case]:
         "id_slot": [5, "x", -2, True], "post_sampling_probs": ["x"],
     }
     lenient: dict[str, list[Any]] = {
-        "prompt": ["", "\u0000" * 100, "\ud800", "x" * 100_000, [0, "\ud800", 575]],
-        "logit_bias": [{}, [], {"575": -100}, [[1, False]], None],
+        "prompt": ["", "\u0000" * 100, "\ud800", "x" * 100_000, [0, "\ud800", 575],
+                   [[1, 2], [3]], [[1], "x"], {"prompt_string": "x"}],
+        "logit_bias": [{}, [], {"575": -100}, [[1, False]], None, {"x": 1}, [["1", 1]],
+                       {"<|im_start|>": -100}],
         "stop": [[""], ["\ud800"], "x"], "temperature": [0, -1, 1e30],
         "json_schema": [{}, {"type": "object"}, {"type": "string", "maxLength": 10**6},
                         {"$ref": "#"}, {"type": "array", "minItems": 10**6}],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -528,14 +529,19 @@ bias_values = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=3
 def test_logit_bias_property(srv: ServerProcess, bias: dict[str, Any]) -> None:
     status, payload = post(srv, "/completion", {"prompt": "x", "n_predict": 1,
                                                 "logit_bias": bias})
-    def is_id(k: str) -> bool:
-        return k.isascii() and k.isdigit()
+    def is_id(k: str) -> bool:              # a key that reads as a number names an id
+        return re.fullmatch(r"[+-]?[0-9]+", k.strip()) is not None
+
+    def id_of(k: str) -> int | None:
+        m = re.fullmatch(r"\s*\+?([0-9]{1,10})\s*", k)
+        return int(m.group(1)) if m else None
 
     def ok(k: str, v: Any) -> bool:         # an id of the vocabulary, or a text (its tokens)
-        key_ok = (len(k) <= 10 and int(k) < N_VOCAB) if is_id(k) else 1 <= len(k) <= 256
+        tok = id_of(k)
+        key_ok = (tok is not None and tok < N_VOCAB) if is_id(k) else 1 <= len(k) <= 256
         return key_ok and (v is False or abs(v) <= 100)
     id_keys = [k for k in bias if is_id(k)]
-    valid = len({int(k) for k in id_keys}) == len(id_keys) and \
+    valid = len({id_of(k) for k in id_keys}) == len(id_keys) and \
         all(ok(k, v) for k, v in bias.items())
     assert status == (200 if valid else 400), (bias, payload)
     assert alive(srv)

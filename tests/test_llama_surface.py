@@ -302,3 +302,24 @@ def test_verbose_answers_the_prompt_read(srv: ServerProcess) -> None:
             assert body["__verbose"]["content"] == body["choices"][0]["message"]["content"]
         else:
             assert "__verbose" not in body
+
+
+def test_several_prompts_answer_as_a_list(srv: ServerProcess) -> None:
+    text = "I believe the meaning of life is"
+    ids = srv.request("POST", "/tokenize", {"content": text, "add_special": True})[2]["tokens"]
+    for prompt in ([ids, ids], [ids, text], [ids, {"prompt_string": text}]):
+        status, _, body = srv.request("POST", "/completion", {"prompt": prompt, "n_predict": 4,
+                                                             "temperature": 0})
+        assert status == 200 and isinstance(body, list) and len(body) == 2, body
+        assert body[0]["content"] == body[1]["content"] and body[0]["content"], body
+        assert [b["index"] for b in body] == [0, 1]
+    status, _, body = srv.request("POST", "/completion", {"prompt": {"prompt_string": text},
+                                                         "n_predict": 2})
+    assert status == 200 and isinstance(body["content"], str), body
+    for bad, word in (({"prompt_string": text, "multimodal_data": ["iVBORw0KGgo="]},
+                       "multimodal_data"),
+                      ([ids] * 17, "prompts"), ({"prompt_string": 3}, "prompt_string")):
+        status, _, body = srv.request("POST", "/completion", {"prompt": bad, "n_predict": 2})
+        assert status == 400 and word in body["error"]["message"], (bad, body)
+    status, _, body = srv.request("POST", "/completion", {"prompt": [ids, ids], "stream": True})
+    assert status == 400 and "stream" in body["error"]["message"], body

@@ -21,6 +21,7 @@ their paths by `shapes.error_shaper`.
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import time
 from typing import Annotated, Any
@@ -116,6 +117,38 @@ def read_slot(body: dict[str, Any], slots: int) -> int:
     return int(slot)
 
 
+PROMPTS_MAX = 16                 # prompts in one /completion batch (each runs in turn)
+
+
+def split_prompts(value: Any, field: str = "prompt") -> list[Any]:
+    """llama-server's `prompt` as the prompts it holds: one (a string, ids, or ids mixed
+    with strings), or a list of several — each a string, a list of ids, or an object
+    `{"prompt_string": ..., "multimodal_data": [...]}`. Each answers in turn."""
+    if isinstance(value, dict):
+        return [_object_prompt(value, field)]
+    several = isinstance(value, list) and len(value) > 1 and \
+        any(isinstance(p, (list, dict)) for p in value)
+    if not several:
+        return [value]
+    if len(value) > PROMPTS_MAX:
+        raise invalid_request(f"`{field}` holds more than {PROMPTS_MAX} prompts; send fewer "
+                              "a request.")
+    return [_object_prompt(p, f"{field}[{i}]") if isinstance(p, dict) else p
+            for i, p in enumerate(value)]
+
+
+def _object_prompt(value: dict[str, Any], field: str) -> Any:
+    """`{"prompt_string": TEXT}`: the text. Images and audio (`multimodal_data`) on this
+    route are refused: /v1/chat/completions takes a vision model's images."""
+    if value.get("multimodal_data"):
+        raise invalid_request(f"`{field}.multimodal_data` is not supported on this route: "
+                              "send images to a vision model on /v1/chat/completions.")
+    text = value.get("prompt_string")
+    if not isinstance(text, str):
+        raise invalid_request(f"`{field}.prompt_string` must be a string.")
+    return text
+
+
 def read_prompt(value: Any, field: str = "prompt") -> list[str | int]:
     """llama-server's prompt: a string, token ids, or a list mixing both (one prompt)."""
     if isinstance(value, str):
@@ -175,8 +208,13 @@ def read_logit_bias(value: Any) -> tuple[tuple[tuple[int, float], ...],
         raise invalid_request(f"`logit_bias` has more than {LOGIT_BIAS_ENTRIES_MAX} entries.")
     ids: dict[int, float] = {}
     texts: dict[str, float] = {}
+    by_key = isinstance(value, dict)
     for key, bias in pairs:
-        if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+        # a key of the object form is an id when it reads as a number (a negative one is
+        # no id: refused); a string in the pair form is always a text, as llama-server
+        # reads them
+        numeric = by_key and re.fullmatch(r"[+-]?[0-9]+", key.strip()) is not None
+        if isinstance(key, str) and not numeric:
             if not key or len(key) > LOGIT_BIAS_TEXT_CHARS_MAX:
                 raise invalid_request(f"`logit_bias` text keys are 1 to "
                                       f"{LOGIT_BIAS_TEXT_CHARS_MAX} characters.")
@@ -192,11 +230,11 @@ def read_logit_bias(value: Any) -> tuple[tuple[tuple[int, float], ...],
 def _token_key(key: Any) -> int:
     if isinstance(key, int) and not isinstance(key, bool):
         tok = key
-    elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
-        tok = int(key)
+    elif isinstance(key, str) and (m := re.fullmatch(r"\s*\+?([0-9]{1,10})\s*", key)):
+        tok = int(m.group(1))
     else:
-        raise invalid_request(f"`logit_bias` key {str(key)[:40]!r} is not a token id or a "
-                              "text.")
+        raise invalid_request(f"`logit_bias` key {str(key)[:40]!r} is not a token id (ids "
+                              "run from 0).")
     if not 0 <= tok <= I32_MAX:
         raise invalid_request(f"`logit_bias` key {tok} is not a token id.")
     return tok
@@ -574,6 +612,11 @@ def server_budget(state: ServerState) -> int:
 
 async def completion(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
+    prompts = split_prompts(body.get("prompt"))
+    if len(prompts) > 1:
+        return await completion_batch(state, body, prompts)
+    if isinstance(body.get("prompt"), dict):
+        body = {**body, "prompt": prompts[0]}
     req = decode_completion(body, default_budget=server_budget(state))
     prompt = body.get("prompt")
     streaming = bool(body.get("stream"))
@@ -585,9 +628,37 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
     return await serve(state, req, encoder, streaming)
 
 
+async def completion_batch(state: ServerState, body: dict[str, Any],
+                           prompts: list[Any]) -> Response:
+    """Several prompts in one /completion: each answered in turn, the answers as a list
+    in the prompts' order (llama-server's batch)."""
+    if body.get("stream"):
+        raise invalid_request("`prompt` holds several prompts: a stream answers one; send "
+                              "them one a request, or without `stream`.")
+    slot = read_slot(body, slot_count(state))
+    turns = []
+    for prompt in prompts:                  # every one is checked before any runs
+        one = {**body, "prompt": prompt}
+        req = decode_completion(one, default_budget=server_budget(state))
+        encoder = LlamaEncoder(req, prompt if isinstance(prompt, str) else "",
+                               req.max_tokens or -1, False, bool(body.get("return_tokens")),
+                               slot)
+        turns.append((req, encoder))
+    turnservice.require_model(state)
+    answers = []
+    for index, (req, encoder) in enumerate(turns):
+        try:
+            answer = await choices.whole(state, req, encoder)
+        except EngineError as e:
+            raise engine_http_error(e) from None
+        answers.append({**answer, "index": index})
+    return Response.json(answers)
+
+
 async def openai_completion(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode_openai(body, server_budget(state))
+    read_slot(body, slot_count(state))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked
     n = choices.read_n(body)
     reqs = choices.seeded(req, n, req.sampling or Sampling())
