@@ -517,7 +517,11 @@ def test_a_direct_read_refused_midway_falls_back(models: dict[str, Path],
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real_preadv(fd, buffers, offset)
 
+        def refuse_aio(self: Any, fd: int, reads: list[tuple[int, int, int]]) -> list[int]:
+            return [-errno.EINVAL] * len(reads)
+
         monkeypatch.setattr(reader_mod.os, "preadv", refuse)
+        monkeypatch.setattr(reader_mod.Aio, "pread_all", refuse_aio)
         got = conversation(s)
         assert st.summary()["odirect"] is False
         assert "refused" in st.summary()["odirect_fallback"]
