@@ -323,3 +323,13 @@ def test_several_prompts_answer_as_a_list(srv: ServerProcess) -> None:
         assert status == 400 and word in body["error"]["message"], (bad, body)
     status, _, body = srv.request("POST", "/completion", {"prompt": [ids, ids], "stream": True})
     assert status == 400 and "stream" in body["error"]["message"], body
+
+
+def test_response_fields_pick_paths(srv: ServerProcess) -> None:
+    body = _complete(srv, n_predict=3, response_fields=["content", "generation_settings/n_predict",
+                                                         "prompt", "no/such"])
+    assert set(body) == {"content", "generation_settings/n_predict", "prompt"}, body
+    assert body["generation_settings/n_predict"] == 3 and body["prompt"] == "Once upon a time"
+    assert set(_complete(srv, n_predict=2, response_fields=[])) > {"content", "timings"}
+    status, _, err = srv.request("POST", "/completion", {"prompt": "x", "response_fields": "a"})
+    assert status == 400 and "response_fields" in err["error"]["message"], err

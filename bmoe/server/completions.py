@@ -625,7 +625,46 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
                            read_slot(body, slot_count(state)))
     encoder.show_progress = bool(body.get("return_progress"))     # (types checked)
     encoder.per_token = bool(body.get("timings_per_token"))
+    fields = read_response_fields(body)
+    if fields and not streaming:
+        turnservice.require_model(state)
+        try:
+            whole = await choices.whole(state, req, encoder)
+        except EngineError as e:
+            raise engine_http_error(e) from None
+        return Response.json(pick_fields(whole, fields))
     return await serve(state, req, encoder, streaming)
+
+
+RESPONSE_FIELDS_MAX = 64
+
+
+def read_response_fields(body: dict[str, Any]) -> list[str]:
+    """llama-server's `response_fields`: the answer's fields to keep, each a path
+    (`generation_settings/n_predict`)."""
+    value = body.get("response_fields")
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > RESPONSE_FIELDS_MAX or \
+            not all(isinstance(f, str) and 0 < len(f) <= 256 for f in value):
+        raise invalid_request(f"`response_fields` must be a list of at most "
+                              f"{RESPONSE_FIELDS_MAX} field paths (`a/b`).")
+    return list(value)
+
+
+def pick_fields(answer: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """The fields asked, each under its path as written; a path the answer has not is
+    left out (as llama-server leaves it)."""
+    out: dict[str, Any] = {}
+    for path in fields:
+        node: Any = answer
+        for part in path.split("/"):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            out[path] = node
+    return out
 
 
 async def completion_batch(state: ServerState, body: dict[str, Any],
