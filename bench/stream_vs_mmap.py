@@ -215,7 +215,8 @@ def make_shape_model(args: argparse.Namespace) -> Path:
         t1 = time.monotonic()
         print(f"model: wrote {src.name} ({src.stat().st_size / 2**30:.2f} GiB) in "
               f"{t1 - t0:.0f} s", flush=True)
-        quantize(src, path, args.quant, threads=os.cpu_count() or 1)
+        quantize(src, path, args.quant, threads=os.cpu_count() or 1,
+                 requantize=args.dtype != "f16")
     finally:
         src.unlink(missing_ok=True)
     print(f"model: quantized to {args.quant}: {path} ({path.stat().st_size / 2**30:.2f} GiB) "

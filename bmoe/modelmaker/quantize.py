@@ -34,13 +34,18 @@ def ftype_of(name: str) -> int:
 
 
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: str,
-             *, threads: int = 1) -> Path:
-    """Write `src` quantized to `ftype` at `dst` (atomically) and return `dst`."""
+             *, threads: int = 1, requantize: bool = False) -> Path:
+    """Write `src` quantized to `ftype` at `dst` (atomically) and return `dst`.
+
+    `requantize` lets llama.cpp quantize tensors that are already quantized (a Q8_0
+    source: half the F16 file, where an F16 slice of a large shape would not fit the disk).
+    """
     target = Path(dst)
     target.parent.mkdir(parents=True, exist_ok=True)
     params = lc.llama_model_quantize_default_params()
     params.ftype = ftype_of(ftype)
     params.nthread = max(1, threads)
+    params.allow_requantize = requantize
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(name)
