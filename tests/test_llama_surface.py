@@ -173,7 +173,8 @@ def test_context_exceeded_is_llama_servers_error_with_both_sizes(srv: ServerProc
         err = payload["error"]
         assert err["type"] == "exceed_context_size_error", (path, payload)
         assert err["n_ctx"] == 1024 and err["n_prompt_tokens"] > 1024, (path, payload)
-        assert "ctx" in err["message"].lower() or "context" in err["message"].lower()
+        assert "exceeds the available context size" in err["message"], err   # llama-server's
+        assert str(err["n_prompt_tokens"]) in err["message"]
 
 
 def _scrape(srv: ServerProcess) -> tuple[dict[str, str], dict[str, tuple[str, float]]]:
@@ -333,3 +334,13 @@ def test_response_fields_pick_paths(srv: ServerProcess) -> None:
     assert set(_complete(srv, n_predict=2, response_fields=[])) > {"content", "timings"}
     status, _, err = srv.request("POST", "/completion", {"prompt": "x", "response_fields": "a"})
     assert status == 400 and "response_fields" in err["error"]["message"], err
+
+
+def test_generation_settings_show_the_biases_applied(srv: ServerProcess) -> None:
+    eos = _complete(srv, n_predict=2, ignore_eos=True)["generation_settings"]["logit_bias"]
+    assert eos and all(e["bias"] is None for e in eos)           # -inf: JSON's null
+    assert _complete(srv, n_predict=2)["generation_settings"]["logit_bias"] == []
+    text = _complete(srv, n_predict=2, logit_bias=[["hello", -5]])["generation_settings"]
+    ids = srv.request("POST", "/tokenize", {"content": "hello"})[2]["tokens"]
+    assert sorted(e["token"] for e in text["logit_bias"]) == sorted(set(ids))
+    assert all(e["bias"] == -5 for e in text["logit_bias"])

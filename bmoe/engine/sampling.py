@@ -59,7 +59,7 @@ class Sampling:
                 "frequency_penalty": self.frequency_penalty, "seed": self.seed,
                 "ignore_eos": self.ignore_eos, "n_probs": self.n_probs,
                 "post_sampling_probs": self.post_sampling_probs, "stop": list(self.stop),
-                "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else False}
+                "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else None}
                                for t, b in self.logit_bias],
                 "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}
 

@@ -33,7 +33,7 @@ from .calibrate import Arm, Trial
 from . import families
 from .chatparse import detect_framing
 from .errors import Aborted, EngineError, LoadError, context_full
-from . import backend, builtin_templates, kernels, params
+from . import backend, builtin_templates, kernels, params, rpc
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
 from .sampling import (Sampling, build_chain, chain_biases, post_sampling_logprobs,
@@ -100,6 +100,7 @@ class Generation:
     budget_cut_by_context: bool = False
     requested_budget: int = 0
     stop_word: str = ""              # the `Sampling.stop` string that ended it, if one did
+    logit_bias: tuple[tuple[int, float], ...] = ()   # the biases the sampler added (ids)
 
 
 def _meta(model: Any, key: str) -> str | None:
@@ -169,7 +170,6 @@ class Session:
         endpoints = _rpc_endpoints(self.values)
         split = None
         if endpoints:
-            from . import rpc
             self.rpc = rpc.RpcDevices(endpoints, rpc.reach(endpoints))
             split = self.rpc.split_for(self.path, int(self.values.get("rpc-layers", -1)))
         self.streamer = streamer_factory(self) if streamer_factory else None
@@ -645,6 +645,7 @@ class Session:
             decode_s=time.monotonic() - t_decode, ttft_s=ttft, n_past=n_past,
             budget_cut_by_context=(finish == "length" and (max_tokens <= 0 or max_tokens > budget)),
             requested_budget=max_tokens, stop_word=stops.word,
+            logit_bias=tuple(chain_biases(self, sampling).items()) if sampling else (),
         )
 
     def _trial_arm(self) -> float:
@@ -706,9 +707,8 @@ def _rpc_endpoints(values: dict[str, Any]) -> tuple[Any, ...]:
     text = str(values.get("rpc") or "").strip()
     if not text:
         return ()
-    from .rpc import parse_endpoints
     try:
-        return parse_endpoints(text)
+        return rpc.parse_endpoints(text)
     except ValueError as e:
         raise LoadError(f"{{rpc}}: {e}") from None
 

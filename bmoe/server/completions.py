@@ -466,10 +466,15 @@ class LlamaEncoder(_TextEncoder):
         self._prompt: dict[str, Any] = {}    # the prefill's timings, as it last reported
         self._decode_ms = 0.0
 
-    def settings(self) -> dict[str, Any]:
-        return {**self.sampling.settings(), "n_predict": self.n_predict,
-                "stream": self.streaming, "grammar": self.req.grammar or "",
-                "model": self.model}
+    def settings(self, fin: Finished | None = None) -> dict[str, Any]:
+        out = {**self.sampling.settings(), "n_predict": self.n_predict,
+               "stream": self.streaming, "grammar": self.req.grammar or "",
+               "model": self.model}
+        gen = fin.generation if fin is not None else None
+        if gen is not None:                 # what the sampler added: ids, texts, ignore_eos
+            out["logit_bias"] = [{"token": t, "bias": b if math.isfinite(b) else None}
+                                 for t, b in gen.logit_bias]
+        return out
 
     def encode(self, ev: TurnEvent) -> bytes:
         early = self.keepalive(ev)
@@ -515,7 +520,7 @@ class LlamaEncoder(_TextEncoder):
         body: dict[str, Any] = {
             "index": 0, "content": content, "tokens": tokens, "id_slot": self.slot, "stop": True,
             "model": fin.model, "tokens_predicted": fin.n_output, "tokens_evaluated": fin.n_prompt,
-            "generation_settings": self.settings(), "prompt": self.prompt_text,
+            "generation_settings": self.settings(fin), "prompt": self.prompt_text,
             "has_new_line": "\n" in self.text, "truncated": False,
             "stop_type": stop_type(fin), "stopping_word": gen.stop_word if gen else "",
             "tokens_cached": gen.n_past if gen else 0, "timings": timings(fin)}

@@ -38,8 +38,12 @@ def llama_error_body(err: HTTPError) -> dict[str, Any]:
              503: "unavailable_error"}
     kind = kinds.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
     if err.code == "context_full":          # llama-server's, with the two sizes
-        return {"error": {"code": err.status, "message": err.message,
-                          "type": "exceed_context_size_error", **err.fields}}
+        n, ctx = err.fields.get("n_prompt_tokens"), err.fields.get("n_ctx")
+        sizes = f" ({n} tokens; the context holds {ctx})" if n is not None else ""
+        return {"error": {"code": err.status, "type": "exceed_context_size_error",
+                          "message": f"the request exceeds the available context size{sizes}: "
+                                     "raise --ctx-size or shorten the prompt.",
+                          **err.fields}}
     return {"error": {"code": err.status, "message": err.message, "type": kind}}
 
 
