@@ -344,3 +344,37 @@ def test_generation_settings_show_the_biases_applied(srv: ServerProcess) -> None
     ids = srv.request("POST", "/tokenize", {"content": "hello"})[2]["tokens"]
     assert sorted(e["token"] for e in text["logit_bias"]) == sorted(set(ids))
     assert all(e["bias"] == -5 for e in text["logit_bias"])
+
+
+def test_vertex_ai_predict_runs_each_instance_through_its_route(tmp_path: Path,
+                                                                 tiny_moe: Path) -> None:
+    from bmoe.server.gcp import alias
+    assert alias("/v1/chat/completions") == "chatCompletions"
+    assert alias("/apply-template") == "applyTemplate" and alias("/completion") == "completion"
+    server = start_server(tmp_path / "data", "-m", str(tiny_moe), "-c", "512",
+                          env={"AIP_MODE": "PREDICTION", "AIP_HEALTH_ROUTE": "/isalive"})
+    try:
+        chat = {"@requestFormat": "chatCompletions", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Say hello"}]}
+        status, _, body = server.request("POST", "/predict", {"instances": [
+            chat, {"@requestFormat": "tokenize", "content": "hello"},
+            {"@requestFormat": "nope"}, {**chat, "stream": True}, 3]})
+        assert status == 200, body
+        chat_answer, tokens, unknown, streamed, bad = body["predictions"]
+        assert chat_answer["object"] == "chat.completion"
+        assert chat_answer["choices"][0]["message"]["role"] == "assistant"
+        assert tokens["tokens"] == server.request("POST", "/tokenize",
+                                                  {"content": "hello"})[2]["tokens"]
+        for failed in (unknown, streamed, bad):
+            assert failed["error"]["code"] == 400, failed
+        assert server.request("GET", "/isalive")[0] == 200
+        for wrong in ({}, {"instances": 1}, {"instances": [{}] * 129}):
+            status, _, err = server.request("POST", "/predict", wrong)
+            assert status == 400 and "instances" in err["error"]["message"], err
+    finally:
+        server.stop()
+    plain = start_server(tmp_path / "plain", "-m", str(tiny_moe), "-c", "256")
+    try:
+        assert plain.request("POST", "/predict", {"instances": []})[0] == 404
+    finally:
+        plain.stop()

@@ -35,7 +35,7 @@ from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
-from . import completions, llama_flags, metrics, openai_chat, shapes, wire
+from . import completions, gcp, llama_flags, metrics, openai_chat, shapes, wire
 from .bridge import wait_future
 from .llama_options import attach, llama_options, options_from, slot_count  # noqa: F401
 from .shapes import engine_http_error
@@ -84,6 +84,7 @@ def register(table: RouteTable, state: ServerState) -> None:
     add("GET", "/api/tags", ollama_tags)
     add("POST", "/api/show", ollama_show)
     add("POST", "/shutdown", shutdown, access=Access.LOCAL_ONLY)
+    gcp.register(table)                 # Vertex AI's /predict, with AIP_MODE=PREDICTION
 
 
 def not_supported(message: str) -> HTTPError:
