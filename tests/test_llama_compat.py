@@ -540,9 +540,7 @@ def test_logit_bias_property(srv: ServerProcess, bias: dict[str, Any]) -> None:
         tok = id_of(k)
         key_ok = (tok is not None and tok < N_VOCAB) if is_id(k) else 1 <= len(k) <= 256
         return key_ok and (v is False or abs(v) <= 100)
-    id_keys = [k for k in bias if is_id(k)]
-    valid = len({id_of(k) for k in id_keys}) == len(id_keys) and \
-        all(ok(k, v) for k, v in bias.items())
+    valid = all(ok(k, v) for k, v in bias.items())     # an id named twice: the last holds
     assert status == (200 if valid else 400), (bias, payload)
     assert alive(srv)
 

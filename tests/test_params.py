@@ -189,7 +189,7 @@ def test_parse_value_accepts(key: str, raw: Any, expected: Any) -> None:
     ("ctx-size", "lots", "whole number"), ("ctx-size", 1.5, "whole number"),
     ("ctx-size", True, "whole number"), ("ctx-size", None, "whole number"),
     ("ctx-size", 0, "between 1 and 1048576"), ("ctx-size", 1 << 21, "between"),
-    ("n-predict", -1, "between 0 and"), ("temp", 2.5, "between 0.0 and 2.0"),
+    ("n-predict", -2, "between -1 and"), ("temp", 2.5, "between 0.0 and 2.0"),
     ("temp", "nan", "a number"), ("temp", "inf", "a number"), ("temp", [1], "a number"),
     ("top-p", -0.1, "between"), ("io-threads", 9, "between 1 and 8"),
     ("seed", 4294967296, "between"), ("cache-floor-mb", -1, "at least 0 MiB"),

@@ -236,8 +236,10 @@ def _rows() -> tuple[Param, ...]:
              "The most tokens one answer may take.",
              "Lower it to cut long answers short; 0 lets an answer run until the context "
              "is full.",
-             128, server_default=0, short="-n", scope="request", min=0, max=MAX_TOKENS,
-             unit="tokens", special=(Named(0, "up to the context"),), env="LLAMA_ARG_N_PREDICT"),
+             128, server_default=0, short="-n", scope="request", min=-1, max=MAX_TOKENS,
+             unit="tokens", special=(Named(0, "up to the context"),
+                                     Named(-1, "up to the context (llama-server's -1)")),
+             env="LLAMA_ARG_N_PREDICT"),
         _row("think", "Thinking", "bool", "generation", "basic",
              "Lets a thinking model reason before it answers.",
              "Off answers sooner and leaves more of the context for the conversation, "

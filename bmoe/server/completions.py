@@ -24,6 +24,7 @@ import math
 import re
 import secrets
 import time
+from dataclasses import replace
 from typing import Annotated, Any
 
 from pydantic import StrictBool, StrictStr
@@ -221,9 +222,7 @@ def read_logit_bias(value: Any) -> tuple[tuple[tuple[int, float], ...],
             texts[key] = _bias(bias, key)
             continue
         tok = _token_key(key)
-        if tok in ids:
-            raise invalid_request(f"`logit_bias` names the token {tok} twice.")
-        ids[tok] = _bias(bias, tok)
+        ids[tok] = _bias(bias, tok)         # named twice: the last one holds (llama-server)
     return tuple(ids.items()), tuple(texts.items())
 
 
@@ -260,16 +259,34 @@ def read_stop(value: Any) -> tuple[str, ...]:
     return tuple(w for w in words if w)
 
 
-def read_sampling(body: dict[str, Any], parsed: CompletionBody) -> Sampling:
-    """The request's sampling at llama-server's defaults (400 naming a bad field)."""
+def server_sampling(state: ServerState) -> Sampling:
+    """What a request that sets no sampling gets. llama-server's request defaults are its
+    own command line's: here a sampling setting the person made (`--temp`, `--seed`,
+    `--top-k`, `--top-p`, in any layer) and llama-server's defaults for the rest."""
+    values, made = state.config.values, set(state.config.user_keys)
+    base = Sampling()
+    return replace(
+        base,
+        temperature=float(values["temp"]) if "temp" in made else base.temperature,
+        seed=int(values["seed"]) if "seed" in made else base.seed,
+        top_k=int(values["top-k"]) if "top-k" in made else base.top_k,
+        top_p=float(values["top-p"]) if "top-p" in made else base.top_p)
+
+
+def read_sampling(body: dict[str, Any], parsed: CompletionBody,
+                  defaults: Sampling | None = None) -> Sampling:
+    """The request's sampling, `defaults` (`server_sampling`) where it sets none (400
+    naming a bad field)."""
+    d = defaults or Sampling()
+
     def given(value: Any, default: Any) -> Any:
         return default if value is None else value
-    seed = given(parsed.seed, -1)
+    seed = given(parsed.seed, -1 if d.seed == SEED_RANDOM else d.seed)
     bias_ids, bias_texts = read_logit_bias(body.get("logit_bias"))
     return Sampling(
-        temperature=given(parsed.temperature, 0.8),
-        top_k=given(parsed.top_k, 40),
-        top_p=given(parsed.top_p, 0.95),
+        temperature=given(parsed.temperature, d.temperature),
+        top_k=given(parsed.top_k, d.top_k),
+        top_p=given(parsed.top_p, d.top_p),
         min_p=given(parsed.min_p, 0.05),
         repeat_penalty=given(parsed.repeat_penalty, 1.0),
         repeat_last_n=given(parsed.repeat_last_n, 64),
@@ -285,13 +302,14 @@ def read_sampling(body: dict[str, Any], parsed: CompletionBody) -> Sampling:
 
 
 def decode_completion(body: dict[str, Any], budget_field: str = "n_predict",
-                      default_budget: int = -1) -> TurnRequest:
+                      default_budget: int = -1,
+                      defaults: Sampling | None = None) -> TurnRequest:
     """`POST /completion`'s body as a turn (400 naming the field otherwise). Without a
     budget the server's `n-predict` setting holds (`-n`, as llama-server's)."""
     parsed = wire.parse(CompletionBody, body)
     _refuse_unsupported(body)
     prompt = read_prompt(parsed.prompt)
-    sampling = read_sampling(body, parsed)
+    sampling = read_sampling(body, parsed, defaults)
     n_predict = getattr(parsed, budget_field)
     n_predict = default_budget if n_predict is None else n_predict
     if n_predict == 0:
@@ -306,7 +324,8 @@ def decode_completion(body: dict[str, Any], budget_field: str = "n_predict",
                        progress=bool(parsed.return_progress or parsed.timings_per_token))
 
 
-def decode_openai(body: dict[str, Any], default_budget: int = -1) -> TurnRequest:
+def decode_openai(body: dict[str, Any], default_budget: int = -1,
+                  defaults: Sampling | None = None) -> TurnRequest:
     """`POST /v1/completions`: OpenAI's fields on the /completion path."""
     parsed = wire.parse(CompletionBody, body)
     if parsed.echo:
@@ -322,8 +341,8 @@ def decode_openai(body: dict[str, Any], default_budget: int = -1) -> TurnRequest
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise invalid_request("`prompt` holds several prompts; send one prompt a request.")
     if parsed.n_predict is None and parsed.max_tokens is not None:
-        return decode_completion(body, "max_tokens", default_budget)
-    return decode_completion(body, "n_predict", default_budget)
+        return decode_completion(body, "max_tokens", default_budget, defaults)
+    return decode_completion(body, "n_predict", default_budget, defaults)
 
 
 # -- response -----------------------------------------------------------------------
@@ -622,7 +641,8 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
         return await completion_batch(state, body, prompts)
     if isinstance(body.get("prompt"), dict):
         body = {**body, "prompt": prompts[0]}
-    req = decode_completion(body, default_budget=server_budget(state))
+    req = decode_completion(body, default_budget=server_budget(state),
+                            defaults=server_sampling(state))
     prompt = body.get("prompt")
     streaming = bool(body.get("stream"))
     encoder = LlamaEncoder(req, prompt if isinstance(prompt, str) else "",
@@ -683,7 +703,8 @@ async def completion_batch(state: ServerState, body: dict[str, Any],
     turns = []
     for prompt in prompts:                  # every one is checked before any runs
         one = {**body, "prompt": prompt}
-        req = decode_completion(one, default_budget=server_budget(state))
+        req = decode_completion(one, default_budget=server_budget(state),
+                                defaults=server_sampling(state))
         encoder = LlamaEncoder(req, prompt if isinstance(prompt, str) else "",
                                req.max_tokens or -1, False, bool(body.get("return_tokens")),
                                slot)
@@ -701,7 +722,7 @@ async def completion_batch(state: ServerState, body: dict[str, Any],
 
 async def openai_completion(state: ServerState, request: Request) -> Response | StreamResponse:
     body = request.json_object()
-    req = decode_openai(body, server_budget(state))
+    req = decode_openai(body, server_budget(state), server_sampling(state))
     read_slot(body, slot_count(state))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked
     n = choices.read_n(body)

@@ -29,7 +29,7 @@ from pydantic import StrictBool, StrictStr
 
 from .. import __version__
 from ..engine.errors import EngineError
-from ..engine.sampling import Sampling, check_tokens
+from ..engine.sampling import check_tokens
 from ..engine.session import Session
 from ..http import limits
 from ..http.errors import HTTPError, invalid_request
@@ -117,8 +117,8 @@ async def health(state: ServerState, request: Request) -> Response:
 
 
 def default_settings(state: ServerState, session: Session, slot: int = 0) -> dict[str, Any]:
-    params = {**Sampling().settings(), "n_predict": -1, "stream": False, "grammar": "",
-              "model": state.model_name()}
+    params = {**completions.server_sampling(state).settings(), "n_predict": -1,
+              "stream": False, "grammar": "", "model": state.model_name()}
     return {"id": slot, "id_task": -1, "n_ctx": session.n_ctx, "speculative": False,
             "is_processing": False, "params": params}
 
