@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "make-model":
-        from .modelmaker import main_make_model
+        from .modelmaker import main_make_model   # not the engine: see "running one turn"
         return main_make_model(argv[1:])
     if "--plan" in argv or "--auto" in argv:     # the planner's modes (bmoe/planner/cli.py)
         # Imported here, not above: the planner loads llama.cpp and numpy (1.3 s), which
@@ -214,6 +214,9 @@ def perf_lines(s: dict[str, Any], streamer: dict[str, Any] | None) -> str:
 
 
 # --- running one turn ----------------------------------------------------------------------
+# The engine's modules are imported inside the functions that run a model (here and in
+# session mode): they load llama.cpp (about a second), which make-model, --describe-params
+# and a refused command line never need.
 
 def open_session(values: dict[str, Any]) -> Any:
     from .engine.experts import streamer_factory

@@ -31,9 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.experts.memory import PAGE, AnonBuffer, PageSupply, page_ceil
+from ..engine.experts.reader import ExpertReader, Read
 from ..machine import MemoryFacts as MemoryFacts      # the planner's inputs name them
 from ..machine import probe_memory as probe_memory
 from ..models.probe import Header, ModelProbe, TensorInfo, Unreadable, read_file_header
+from .matmul import MatmulBench, MatmulUnavailable
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -339,8 +342,6 @@ def _batches(facts: ModelFacts, lanes: tuple[int, ...], odirect: bool, rng: rand
     held from the start, of the kind the engine's misses land in (a victim's, moved over,
     or fresh ones from its `PageSupply`): a fresh page costs a fault, and scattered pages
     cost a virtual disk per run. {} when it cannot read."""
-    from ..engine.experts.memory import PAGE, AnonBuffer, PageSupply, page_ceil
-    from ..engine.experts.reader import ExpertReader, Read
 
     layers = _slices(facts)
     if not layers:
@@ -405,7 +406,6 @@ def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
               huge_pages: bool = True) -> tuple[int, float] | None:
     """(bytes, seconds) of random block reads over ``lanes`` threads for ``seconds``, each
     lane into memory of the engine's kind (see `probe_storage`)."""
-    from ..engine.experts.memory import AnonBuffer, PageSupply
 
     seeds = [rng.randrange(1 << 30) for _ in range(lanes)]
     done = [0] * lanes
@@ -515,7 +515,6 @@ def thread_candidates(limit: int | None = None) -> tuple[int, ...]:
 def probe_compute(facts: ModelFacts, threads: tuple[int, ...] | None = None,
                   seconds: float = COMPUTE_SECONDS_PER_COUNT,
                   cancel: threading.Event | None = None) -> ComputeFacts:
-    from .matmul import MatmulBench, MatmulUnavailable
     tensor = _compute_tensor(facts)
     if tensor is None:
         return ComputeFacts(reason="the model has no matrix to multiply")

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .. import atomicfile
+from ..engine.experts.cache import POLICIES, ExpertCache
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,6 @@ def policy_hit_rate(record: RoutingRecord, capacity_units: int, policy: str) -> 
     The default policy learns reuse from the routing, so it hits more than an LRU of the
     same size (44 % against LRU's 41 % at the smallest cap of bench/plan_accuracy.py);
     LRU is kept for ``lru`` and as the fallback."""
-    from ..engine.experts.cache import POLICIES, ExpertCache
 
     ids = record.ids[-POLICY_TOKENS:]
     if capacity_units <= 0 or ids.shape[0] < MIN_TOKENS:

@@ -36,6 +36,7 @@ from ..models.errors import ModelsError
 from ..models.hf import name_role, valid_repo
 from ..models.service import ModelsService
 from . import llama_flags
+from .events import EventBus
 from .pulling import (INTERRUPTED_EXIT, LocalBackend, Puller, is_interrupt, models_error_of,
                       with_service)
 
@@ -96,7 +97,6 @@ class Wanted(SimpleNamespace):
 
 
 def _service(args: argparse.Namespace, data_dir: Path, models_dir: Path) -> ModelsService:
-    from .events import EventBus
     options = SimpleNamespace(data_dir=data_dir, models_dir=models_dir,
                               scan_dirs=[Path(d).expanduser().resolve() for d in args.scan_dir])
     return ModelsService.create(options, None, EventBus(),

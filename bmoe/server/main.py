@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from ..engine import params
+from ..engine import params, rpc
 from ..engine.experts import streamer_factory
 from ..http import access
 from ..http.parent import process_alive
@@ -23,7 +23,9 @@ from .config import ConfigStore, default_data_dir
 from .events import EventBus
 from . import launch_files, llama_compat, llama_flags, models_cli, models_routes, plan_routes
 from ..agent import api as agent_api
+from ..modelmaker import ensure_demo_model
 from ..service import cli as service_cli
+from ..service import logtee
 from ..service.autoload import AutoloadState, with_autoload
 from ..service.stopping import watch_signals
 from .routes import build_routes
@@ -126,7 +128,6 @@ def open_browser(url: str) -> None:
 def rpc_worker_main(argv: list[str]) -> int:
     """`bmoe-server rpc-worker`: lend this machine's CPU and memory to a bmoe server's
     `--rpc` (llama.cpp's RPC server; see bmoe/engine/rpc.py and docs/security.md)."""
-    from ..engine import rpc
     parser = argparse.ArgumentParser(
         prog="bmoe-server rpc-worker",
         description="Serve this machine's CPU and memory to one bmoe server at a time "
@@ -183,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     if llama_flags.given(args, llama_flags.BY_LONG["--log-verbose"]):
         logging.basicConfig(level=logging.DEBUG, format="bmoe-server: %(name)s: %(message)s")
     if args.log_file is not None:
-        from ..service import logtee
         logtee.start(args.log_file.expanduser().absolute())
     key = read_key(args)
     check_binding(args.host, key, args.no_api_key)
@@ -195,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         raise SystemExit(f"bmoe-server: {params.render(refused, 'flag')}")
     if args.demo and not launch.get("model"):
-        from ..modelmaker import ensure_demo_model
         launch["model"] = str(ensure_demo_model(data_dir))
     launch.update(launch_files.fetch(args, data_dir, models_dir))
     options = ServerOptions(host=args.host, port=args.port, data_dir=data_dir,

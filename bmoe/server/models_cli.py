@@ -27,7 +27,10 @@ import trio
 
 from ..models.errors import ModelsError
 from ..models.service import ModelsService
+from . import models_routes
 from .config import default_data_dir
+from .events import EventBus
+from .models_routes import check_flags
 from .progress import mb
 from .pulling import (INTERRUPTED_EXIT, Backend, LocalBackend, Puller, RemoteBackend,
                       is_interrupt, models_error_of, with_service)
@@ -37,7 +40,6 @@ KEY_FILE = "api-key"           # the service's key file in the data folder (serv
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import models_routes
     p = argparse.ArgumentParser(
         prog="bmoe-server models",
         description="List, fetch, remove and inspect models, through the running server "
@@ -80,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import os
     args = build_parser().parse_args(argv)
-    from .models_routes import check_flags
     check_flags(args)
     token = str(args.hf_token or os.environ.get("HF_TOKEN", "")).strip()
     remote = None if args.local else running_server(args)
@@ -154,7 +155,6 @@ def running_server(args: argparse.Namespace) -> RemoteBackend | None:
 
 
 def local_service(args: argparse.Namespace) -> ModelsService:
-    from .events import EventBus
     data_dir = data_dir_of(args)
     models_dir = (args.models_dir or data_dir / "models").expanduser().resolve()
     options = SimpleNamespace(data_dir=data_dir, models_dir=models_dir,

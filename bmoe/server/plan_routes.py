@@ -38,7 +38,7 @@ from ..http.routes import RouteTable
 from ..http.types import Request, Response
 from ..planner.measure import PlanError, measure
 from ..planner.plan import Plan
-from ..planner.probes import ComputeFacts
+from ..planner.probes import ComputeFacts, model_facts
 from ..planner.routing import (append_record, cost_key, cost_path, record_path, trial_path,
                                write_cost, write_trial)
 
@@ -236,7 +236,6 @@ class PlanService:
             return
         try:
             if rows:
-                from ..planner.probes import model_facts
                 p = model_facts(path).probe
                 if p.is_moe:
                     append_record(record_path(self.routing_dir, path, size), rows,

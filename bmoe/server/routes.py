@@ -21,7 +21,7 @@ from ..http.routes import RouteTable
 from ..http.sse import sse_comment, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from ..server.config import OutsideModelsDir, confine_model_path
-from . import decide, openai_chat, wire, ws
+from . import anthropic, decide, openai_chat, responses, wire, ws
 from . import llama_compat, models_routes, plan_routes, shapes
 from .state import ServerState
 
@@ -50,7 +50,6 @@ def build_routes(state: ServerState) -> RouteTable:
     add("GET", "/v1/models", models)
     add("POST", "/v1/chat/completions", openai_chat.handle, model=True,
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
-    from . import anthropic, responses  # the agent protocols' front doors
     add("POST", "/v1/messages", anthropic.handle, shape=shapes.ANTHROPIC, model=True,
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
     add("POST", "/v1/messages/count_tokens", anthropic.count_tokens, shape=shapes.ANTHROPIC,

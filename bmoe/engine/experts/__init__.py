@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ...models.probe import Unreadable, read_file_header
 from .layout import LayoutError, read_layout
 from .streamer import ExpertStreamer
 
@@ -48,7 +49,6 @@ def streamer_factory(session: Session) -> ExpertStreamer | None:
 
 def split_count(path: Any) -> int:
     """How many files the model at ``path`` is split into, by its header (1 if none)."""
-    from ...models.probe import Unreadable, read_file_header
     try:
         count = read_file_header(path).kv.get("split.count", 1)
     except Unreadable:

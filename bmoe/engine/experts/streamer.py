@@ -71,6 +71,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
+from ...models.probe import read_file_header
 from . import evalcb, ggml, nopopulate
 from .allocs import ContextAllocs, LogTap
 from .budget import (
@@ -293,7 +294,6 @@ class ExpertStreamer:
         n_ub = self.n_ubatch or 1
         compute, source = allocs.compute, "llama.cpp"
         if compute is None:
-            from ...models.probe import read_file_header
             header = read_file_header(self.path)
             compute = estimate_compute(shape_of(header.kv, header.tensors), n_ub, self.n_ctx)
             source = "estimate"
