@@ -378,3 +378,13 @@ def test_vertex_ai_predict_runs_each_instance_through_its_route(tmp_path: Path,
         assert plain.request("POST", "/predict", {"instances": []})[0] == 404
     finally:
         plain.stop()
+
+
+def test_completion_streams_a_chunk_per_token(srv: ServerProcess) -> None:
+    chunks = _events(srv, "/completion", {"prompt": "Once upon a time", "n_predict": 12,
+                                          "n_probs": 3, "stream": True, "temperature": 0})
+    tokens = [c for c in chunks if not c["stop"]]
+    assert [c["tokens_predicted"] for c in tokens] == list(range(1, len(tokens) + 1))
+    assert all(len(c["completion_probabilities"]) == 1 for c in tokens)
+    whole = _complete(srv, prompt="Once upon a time", n_predict=12, temperature=0)
+    assert "".join(c["content"] for c in chunks) == whole["content"]

@@ -507,23 +507,26 @@ class LlamaEncoder(_TextEncoder):
                                     "id_slot": self.slot, "tokens_predicted": 0,
                                     "prompt_progress": ev.body(),
                                     "timings": self._running_timings()})
-        if isinstance(ev, RawTokens):
-            text, ids, probs = self.take(ev)
-            self.n_out += len(ids)
-            self._decode_ms += sum(t.wall_ms for t in ev.tokens)
-            body: dict[str, Any] = {"index": 0, "content": text,
-                                    "tokens": ids if self.return_tokens else [], "stop": False,
-                                    "id_slot": self.slot, "tokens_predicted": self.n_out}
-            if probs:
-                body["completion_probabilities"] = probs
-            if self.per_token:
-                body["timings"] = self._running_timings()
-            return sse_event(None, body)
+        if isinstance(ev, RawTokens):       # a chunk per token, as llama-server streams
+            return b"".join(self._token_chunk(RawTokens((t,))) for t in ev.tokens)
         if isinstance(ev, Finished):
             return sse_event(None, self.final(ev, self.rest(), streamed=True))
         if isinstance(ev, Failed):
             return self.error_event(ev.error)
         return b""
+
+    def _token_chunk(self, one: RawTokens) -> bytes:
+        text, ids, probs = self.take(one)
+        self.n_out += len(ids)
+        self._decode_ms += sum(t.wall_ms for t in one.tokens)
+        body: dict[str, Any] = {"index": 0, "content": text,
+                                "tokens": ids if self.return_tokens else [], "stop": False,
+                                "id_slot": self.slot, "tokens_predicted": self.n_out}
+        if probs:
+            body["completion_probabilities"] = probs
+        if self.per_token:
+            body["timings"] = self._running_timings()
+        return sse_event(None, body)
 
     def _running_timings(self) -> dict[str, Any]:
         """The timings so far: the prefill's as it last reported, the tokens decoded since."""
