@@ -244,7 +244,7 @@ def _check_progress(progress: list[dict[str, Any]], cached: bool) -> None:
     first, last = progress[0], progress[-1]
     assert first["processed"] == first["cache"] and first["time_ms"] == 0.0
     assert (first["cache"] > 0) == cached, first
-    for a, b in zip(progress, progress[1:]):
+    for a, b in zip(progress, progress[1:], strict=False):
         assert b["total"] == a["total"] and b["cache"] == a["cache"]
         assert b["processed"] > a["processed"] and b["time_ms"] >= a["time_ms"]
     assert last["processed"] == last["total"] > 0
