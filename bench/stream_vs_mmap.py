@@ -24,6 +24,10 @@ its bytes per token at the measured read rate plus the compute floor; the overla
 floor is the larger of the two. Every run's load time is printed beside the dense
 bytes / disk rate that a load reading no experts needs.
 
+With `--shape qwen3-30b-a3b|gpt-oss-120b` the model is a slice of that real model
+(`--layers`, default 12) quantized by llama.cpp as the model is (`SHAPES`); the table's
+`rd MiB/s` and `/disk` columns give the engine's achieved read rate beside the disk's.
+
 Needs root (cgroups, drop_caches). Deletes the model file at the end unless --keep.
 """
 
@@ -296,6 +300,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--cap-frac", type=float, default=0.40, help="memory cap / file size")
+    p.add_argument("--ubatch-size", type=int, default=0,
+                   help="the context's prompt micro-batch (0: the engine's); a smaller one "
+                        "shrinks llama.cpp's compute buffer, which a small slice's cap needs")
     p.add_argument("--cache-floor-mb", type=int, default=128,
                    help="auto cache: memory left under the cap (the engine's default is 1536)")
     p.add_argument("--runs", default="mmap,auto,next-use,auto+prefetch,"
@@ -330,6 +337,8 @@ def bench(args: argparse.Namespace) -> int:
         print(f"cap: {limit / 2**30:.2f} GiB ({args.cap_frac:.0%} of {size / 2**30:.2f} GiB)",
               flush=True)
         extra = {"io-threads": args.io_threads, "cache-floor-mb": args.cache_floor_mb}
+        if args.ubatch_size:
+            extra.update({"ubatch-size": args.ubatch_size, "batch-size": args.ubatch_size})
         for name in args.runs.split(","):
             values = dict(RUNS[name], **(extra if name != "mmap" else {}))
             if name == "auto+prefetch+overlap":
