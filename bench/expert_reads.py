@@ -152,7 +152,7 @@ def reader_on_committed(model: Path, groups: list[list[Extent]], lanes: int
     supply.commit(buf)
     reader = ExpertReader(str(model), lanes, True)
     try:
-        secs = total = 0
+        secs, total = 0.0, 0
         for g in groups:
             n, s = reader.read_all([Read(off, n, buf, i * slot) for i, (off, n) in enumerate(g)])
             secs += s

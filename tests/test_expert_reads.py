@@ -41,7 +41,7 @@ def read_slices(path: Path, mode: str, chunk: int = 0, fresh: bool = False
         picks = [1, 2, 3, 7, 11, 12, 20, 23]
         reads = []
         for e in picks:
-            moves = ()
+            moves: tuple[tuple[int, int, int], ...] = ()
             dst, n = buf.interior(e * SLICE, (e + 1) * SLICE)
             if fresh and n:
                 moves = ((FRESH, dst, n),)
