@@ -122,7 +122,8 @@ def test_flags_that_stand_for_others() -> None:
     assert args.think is False and args.autoload is True
     assert args.allow_origin == ["http://a.example"]
     text = "\n".join(lines)
-    assert "--parallel 4: this server serves one turn at a time" in text
+    assert "--parallel 4: 4 slots, the whole context each; this server serves one turn at " \
+        "a time" in text                      # no -c given: nothing to split
     assert "--no-jinja" in text and "Jinja" in text
     args, _ = _parse(["--reasoning", "on", "--no-think"])          # the table's flag wins
     assert args.think is False
@@ -326,8 +327,9 @@ def test_the_whole_command_line_starts(everything: tuple[ServerProcess, str]) ->
     assert set(UTILS_FLAGS) - set(REFUSED) - set(MODEL_FLAGS) - elsewhere <= given
     lines = [line for line in err.splitlines() if line.startswith("bmoe-server: ")]
     assert any("this build runs on the CPU, so -ngl 99 has no effect." in line for line in lines)
-    assert any(line.startswith("bmoe-server: --parallel 2: this server serves one turn at a "
-                               "time") for line in lines), err
+    assert any(line.startswith("bmoe-server: --parallel 2: 2 slots, the whole context each; "
+                               "this server serves one turn at a time")     # --kv-unified
+               for line in lines), err
     assert sum("speculative decoding is not built" in line for line in lines) == 1
     assert not any("--cache-ram" in line for line in lines)          # 0 is what we do
 
