@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -14,56 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bmoe.machine import cgroup  # noqa: E402
+
 MIB = 1 << 20
 
 
-# -- memory cgroup (v1) --------------------------------------------------------------------
+# -- memory cgroup: the engine's own (v1 or v2), so a bench caps as the server measures --
 
-def own_memory_cgroup() -> Path:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return CGROUP_V1 / path.lstrip("/")
-    raise RuntimeError("no cgroup-v1 memory controller for this process")
-
-
-class MemoryCap:
-    """A child of this process's memory cgroup with a hard limit; removed on exit."""
-
-    def __init__(self, name: str, limit_bytes: int) -> None:
-        self.path = own_memory_cgroup() / name
-        self.path.mkdir(exist_ok=True)
-        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        self.limit = limit_bytes
-
-    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        procs = str(self.path / "cgroup.procs")
-
-        def enter() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        (self.path / "memory.max_usage_in_bytes").write_text("0")
-        return subprocess.run(cmd, preexec_fn=enter, capture_output=True, text=True,
-                              timeout=timeout)
-
-    def peak(self) -> int:
-        return int((self.path / "memory.max_usage_in_bytes").read_text())
-
-    def oom_kills(self) -> int:
-        for line in (self.path / "memory.oom_control").read_text().splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-        return 0
-
-    def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
+MemoryCap = cgroup.MemoryCap
 
 
 def drop_caches() -> None:
