@@ -13,6 +13,7 @@ from typing import Iterator
 
 import pytest
 
+from bmoe.machine.cgroup import MemoryCap
 from bmoe.modelmaker import make_model
 from bmoe.planner.probes import model_facts, probe_compute, probe_memory, probe_storage
 from conftest import ServerProcess
@@ -38,35 +39,9 @@ needs_cap = pytest.mark.skipif(not can_cap(), reason="needs root and a cgroup-v1
                                "controller")
 
 
-class Cap:
-    def __init__(self, name: str, limit: int) -> None:
-        group = own_v1_group()
-        assert group is not None
-        self.path = group / f"{name}-{os.getpid()}"
-        self.path.mkdir(exist_ok=True)
-        (self.path / "memory.limit_in_bytes").write_text(str(limit))
-        self.limit = limit
-
-    def enter(self) -> None:            # preexec_fn: the child joins the group
-        with open(self.path / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-
-    def oom_kills(self) -> int:
-        for line in (self.path / "memory.oom_control").read_text().splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-        return 0
-
-    def peak(self) -> int:
-        return int((self.path / "memory.max_usage_in_bytes").read_text())
-
-    def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
+def Cap(name: str, limit: int) -> MemoryCap:  # noqa: N802 - a group per test process
+    """The engine's own memory cgroup (bmoe.machine.cgroup), named for this process."""
+    return MemoryCap(f"{name}-{os.getpid()}", limit)
 
 
 @pytest.fixture(scope="module")
