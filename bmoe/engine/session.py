@@ -492,11 +492,7 @@ class Session:
         return start
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
-        n = 0
-        limit = min(len(prompt) - 1, len(self.kv_tokens))
-        kv = self.kv_tokens
-        while n < limit and kv[n] == prompt[n]:
-            n += 1
+        n, kv = self._common_prefix(prompt, len(prompt) - 1), self.kv_tokens
         if n < len(kv):
             lc.llama_memory_seq_rm(self.memory, 0, n, -1)
             del self.kv_tokens[n:]
@@ -563,7 +559,7 @@ class Session:
                        t0: float) -> None:
         """Report the prefill to `on_progress`, from the prefix the KV holds on."""
         total = len(prompt)
-        cache = min(len(prompt) - 1, self._common_prefix(prompt))
+        cache = self._common_prefix(prompt, len(prompt) - 1)
 
         def report(processed: int) -> None:
             on_progress(PrefillProgress(total, cache, max(cache, processed),
@@ -571,9 +567,11 @@ class Session:
         report(cache)
         self._on_progress = report
 
-    def _common_prefix(self, prompt: list[int]) -> int:
+    def _common_prefix(self, prompt: list[int], limit: int) -> int:
+        """How many of the prompt's first `limit` tokens the KV already holds."""
         n, kv = 0, self.kv_tokens
-        while n < min(len(kv), len(prompt)) and kv[n] == prompt[n]:
+        limit = min(limit, len(kv), len(prompt))
+        while n < limit and kv[n] == prompt[n]:
             n += 1
         return n
 
