@@ -461,6 +461,17 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     return _format(conv, "tools")
 
 
+def tool_call_heads(framing: str, tools: list[dict[str, Any]]) -> list[str]:
+    """The literal beginning of each call `tool_call_grammar` (no reasoning) holds, up to
+    the arguments (`triggers`: the text a lazy grammar may be handed at its trigger)."""
+    if framing == HERMES:
+        return [CALL_OPEN + "\n"]
+    if framing == QWEN3_CODER:
+        return [f"{CALL_OPEN}\n<function={name}>\n" for name, _ in function_tools(tools)]
+    from .families.grammar_calls import call_heads   # the documented exception, as above
+    return call_heads(framing, tools)
+
+
 def tool_where(index: int, name: str) -> str:
     """A tool's parameters as a field path people can find: ``tools[3] (Workflow).parameters``."""
     return f"tools[{index}] ({name[:64]}).parameters"

@@ -111,6 +111,20 @@ def _meta(model: Any, key: str) -> str | None:
     return buf.value.decode("utf-8", "replace")
 
 
+def grammar_sampler(vocab: Any, grammar: str, tokens: list[int], patterns: list[str]) -> Any:
+    """llama.cpp's grammar sampler; lazy when there are triggers: free text until a trigger
+    token is sampled or the text so far matches a trigger pattern (`triggers`: a family's
+    marker word, only where the grammar holds what follows it), then held to the grammar."""
+    if not tokens and not patterns:
+        return lc.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    toks = (lc.llama_token * len(tokens))(*tokens)
+    words = [p.encode() for p in patterns]
+    regexes = (ctypes.c_char_p * len(words))(*words)
+    return lc.llama_sampler_init_grammar_lazy_patterns(
+        vocab, grammar.encode(), b"root", regexes if words else None, len(words),
+        toks, len(tokens))
+
+
 class Session:
     # Set while the model loads (`_open`, `_make_context`, `_setup_template`): llama.cpp's
     # handles are ctypes values, typed Any; the rest is plain.
@@ -395,7 +409,8 @@ class Session:
 
     # -- decoding ------------------------------------------------------------
 
-    def _grammar_sampler(self, grammar: str, triggers: list[int]) -> Any:
+    def _grammar_sampler(self, grammar: str, triggers: list[int],
+                         patterns: list[str] | None = None) -> Any:
         # The last gate before llama.cpp: every grammar, generated or a client's, is read
         # by the guard first (a grammar llama.cpp cannot hold crashes the process).
         try:
@@ -405,18 +420,14 @@ class Session:
         if any(not 0 <= t < self.n_vocab for t in triggers):
             raise EngineError("invalid_request", "A grammar trigger is not a token of this "
                               "model.")
-        if not triggers:
-            return lc.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
-        # Lazy: free text until a trigger token is sampled, then held to the grammar.
-        toks = (lc.llama_token * len(triggers))(*triggers)
-        return lc.llama_sampler_init_grammar_lazy_patterns(
-            self.vocab, grammar.encode(), b"root", None, 0, toks, len(triggers))
+        return grammar_sampler(self.vocab, grammar, triggers, patterns or [])
 
     def _sampler(self, grammar: str | None, triggers: list[int] | None = None,
-                 sampling: Sampling | None = None, prompt: list[int] | None = None) -> Any:
+                 sampling: Sampling | None = None, prompt: list[int] | None = None,
+                 patterns: list[str] | None = None) -> Any:
         g = None
         if grammar:
-            g = self._grammar_sampler(grammar, triggers or [])
+            g = self._grammar_sampler(grammar, triggers or [], patterns)
             if not g:
                 raise EngineError("invalid_request", "The output grammar could not be built "
                                   "from this schema or tool list.")
@@ -523,6 +534,7 @@ class Session:
     def generate(self, prompt: list[int], *, max_tokens: int, cancel: threading.Event,
                  on_token: Callable[[TokenEvent], None], grammar: str | None = None,
                  grammar_triggers: list[int] | None = None,
+                 grammar_patterns: list[str] | None = None,
                  sampling: Sampling | None = None,
                  on_progress: Callable[[PrefillProgress], None] | None = None) -> Generation:
         """Prefill `prompt` (reusing the KV prefix) and decode up to `max_tokens` tokens.
@@ -538,7 +550,7 @@ class Session:
         if room <= 0:
             raise context_full(len(prompt), self.n_ctx)
         budget = room if max_tokens <= 0 else min(max_tokens, room)
-        sampler = self._sampler(grammar, grammar_triggers, sampling, prompt)
+        sampler = self._sampler(grammar, grammar_triggers, sampling, prompt, grammar_patterns)
         t_start = time.monotonic()
         try:
             try:

@@ -26,6 +26,8 @@ from .sampling import Sampling, check_tokens
 from .session import Generation, PrefillProgress, Session, TokenEvent
 from .telemetry import ProcessProbe, token_record
 from .templating import TemplateError
+from .triggers import Triggers
+from .triggers import resolve as resolve_triggers
 
 log = logging.getLogger("bmoe.chat")
 
@@ -82,6 +84,7 @@ class Prepared:
     grammar_triggers: list[int] = field(default_factory=list)  # lazy grammar: its trigger tokens
     image_tokens: int = 0                            # of `tokens`, what images take
     family: str | None = None                        # the model's chat format (`families`)
+    grammar_patterns: list[str] = field(default_factory=list)  # lazy grammar: its trigger words
 
 
 @dataclass
@@ -111,14 +114,14 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
         session.tool_framing, text)
     framing = session.tool_framing if req.offered_tools() else None
     grammar = choose_grammar(req, session.tool_framing, starts)
-    triggers: list[int] = []
+    found = Triggers()
     if isinstance(grammar, LazyGrammar):
-        triggers = [t for word in grammar.triggers for t in _single_token(session, word)]
-        grammar = grammar.text if triggers else None
+        found = lazy_triggers(session, grammar)
+        grammar = grammar.text if found else None
     room = session.n_ctx - len(tokens)
     steps = room if req.max_tokens <= 0 else min(req.max_tokens, room)
-    return Prepared(text, tokens, starts, framing, grammar, steps, triggers, image_tokens,
-                    session.tool_framing)
+    return Prepared(text, tokens, starts, framing, grammar, steps, found.tokens, image_tokens,
+                    session.tool_framing, found.patterns)
 
 
 def render_prompt(session: Session, req: TurnRequest) -> str:
@@ -226,19 +229,24 @@ def _lazy_call_grammar(framing: str, tools: list[dict[str, Any]]) -> "LazyGramma
         return None
     fam = families.family(framing)
     words = list(fam.triggers) if fam is not None and fam.triggers else [CALL_OPEN]
-    return LazyGrammar(text, words)
+    return LazyGrammar(text, words, gbnf.tool_call_heads(framing, tools))
 
 
 @dataclass
 class LazyGrammar:
-    """A grammar that holds only from a trigger token on (a tool call the model opens)."""
+    """A grammar that holds only from a trigger on (a tool call the model opens): the
+    family's marker words, and the literal text each call begins with (`triggers`)."""
     text: str
     triggers: list[str]
+    heads: list[str] = field(default_factory=list)
 
 
-def _single_token(session: Session, word: str) -> list[int]:
-    toks = session.tokenize(word)
-    return toks if len(toks) == 1 else []
+def lazy_triggers(session: Session, lazy: LazyGrammar) -> Triggers:
+    """The lazy grammar's markers in this model's vocabulary: a token where the marker is
+    one, a word pattern in every case (`triggers.resolve`)."""
+    return resolve_triggers(lazy.triggers, lazy.heads,
+                            lambda w: session.tokenize(w, add_special=False),
+                            session.token_text)
 
 
 def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: threading.Event,
@@ -267,7 +275,8 @@ def run_turn(session: Session, prepared: Prepared, req: TurnRequest, cancel: thr
     encodes = session.vision.encodes if session.vision is not None else 0
     gen = session.generate(prepared.tokens, max_tokens=req.max_tokens, cancel=cancel,
                            on_token=on_token, grammar=prepared.grammar,
-                           grammar_triggers=prepared.grammar_triggers, sampling=req.sampling,
+                           grammar_triggers=prepared.grammar_triggers,
+                           grammar_patterns=prepared.grammar_patterns, sampling=req.sampling,
                            on_progress=on_progress if req.progress else None)
     summary = summarize(session, gen, sums, last, time.monotonic() - t0)
     if prepared.image_tokens:

@@ -58,7 +58,7 @@ FAMILIES: dict[str, Family] = {f.framing: f for f in [
     Family(HERMES, "Hermes (Qwen3)", None, triggers=("<tool_call>",)),
     Family(QWEN3_CODER, "Qwen3-Coder XML", None, triggers=("<tool_call>",)),
     Family(GPT_OSS, "GPT-OSS Harmony", harmony.parse, ("<|channel|>analysis<|message|>", "<|end|>"),
-           triggers=(" to=functions.", "<|channel|>commentary to=")),
+           triggers=("<|channel|>commentary to=",)),
     Family(GLM45, "GLM-4.5", glm.parse, triggers=("<tool_call>",)),
     Family(LLAMA3, "Llama 3.x", json_calls.parse_llama3, triggers=("<|python_tag|>", '{"name"')),
     Family(MISTRAL, "Mistral", json_calls.parse_mistral, ("[THINK]", "[/THINK]"),
@@ -80,7 +80,7 @@ FAMILIES: dict[str, Family] = {f.framing: f for f in [
            triggers=(json_lists.APERTUS_CALLS,)),
     Family(COMMAND_R7B, "Command R7B", json_lists.parse_command_r7b, json_lists.R7B_THINK,
            triggers=(json_lists.R7B_CALLS,)),
-    Family(GENERIC, "Generic JSON", generic.parse),
+    Family(GENERIC, "Generic JSON", generic.parse, triggers=('{"tool_calls"',)),
 ]}
 
 

@@ -11,7 +11,7 @@ from . import (APERTUS, COMMAND_R7B, DEEPSEEK_R1, DEEPSEEK_V4, DEEPSEEK_V31, DEE
                GENERIC, GLM45, GPT_OSS, KIMI_K2, LFM2, LLAMA3, MINIMAX_M2, MISTRAL, SEED_OSS,
                reasoning_markers)
 from .dsml import DSML
-from .json_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP
+from .json_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, PYTHON_TAG
 
 _XML_FAMILIES = (GLM45, MINIMAX_M2, DEEPSEEK_V32, DEEPSEEK_V4, SEED_OSS)
 # framing: (text before the list of calls, between two calls, after the list)
@@ -70,12 +70,33 @@ def family_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reas
     rules["bmoe-gap"] = g.GAP_RULE
     calls = "bmoe-call" + (" ( bmoe-gap bmoe-call )*"
                            if parallel and framing in (*_XML_FAMILIES, GEMMA4) else "")
+    if framing == LLAMA3:                # the tag is optional before the JSON call
+        calls = f"{g.gbnf_literal(PYTHON_TAG)}? {calls}"
     if framing in _LISTED:
         before, between, after = _LISTED[framing]
         more = f" ( {g.gbnf_literal(between)} bmoe-call )*" if parallel else ""
         calls = f"{g.gbnf_literal(before)} bmoe-call{more} {g.gbnf_literal(after)}"
     rules["root"] = f"{_prefix(framing, rules, allow_reasoning, starts_in_reasoning)}{calls}"
     return g._format(conv, "tools")
+
+
+def call_heads(framing: str, tools: list[dict[str, Any]]) -> list[str]:
+    """The literal text each call of `family_call_grammar` (without reasoning) starts
+    with, up to its arguments: where a lazy trigger may hand the text to the grammar."""
+    heads = []
+    for name, _params in g.function_tools(tools):
+        if framing in _XML_FAMILIES:
+            head = _XML[framing][0].format(name=name)
+        elif framing == GEMMA4:
+            head = f"<|tool_call>call:{name}{{"
+        elif framing == LFM2:
+            head = f"{name}("
+        else:
+            head = _json_family(framing, name)[0]
+        heads.append(_LISTED[framing][0] + head if framing in _LISTED else head)
+        if framing == LLAMA3:
+            heads.append(PYTHON_TAG + head)
+    return heads
 
 
 def _prefix(framing: str, rules: dict[str, str], allow: bool, starts_inside: bool) -> str:
