@@ -10,8 +10,8 @@ from bmoe.http.routes import Access, RouteTable
 from bmoe.server.routes import build_routes
 
 # The spec's local-only routes that are built: models (delete, add from a link, folders),
-# the agent's reach into this computer, and llama-server's /shutdown. The backend-pack
-# and update routes are not built: they do not exist (404), so they are not here.
+# the agent's reach into this computer, llama-server's /shutdown, and the backend-pack
+# and update routes.
 LOCAL_ONLY = {
     ("DELETE", "/api/models/local/{name:path}"), ("POST", "/api/models/url"),
     ("PUT", "/api/models/folders"),
@@ -26,6 +26,8 @@ LOCAL_ONLY = {
     ("PUT", "/api/tasks/{id}"), ("DELETE", "/api/tasks/{id}"), ("POST", "/api/tasks/{id}/run"),
     ("GET", "/api/clients"), ("POST", "/api/connect/{id}"), ("POST", "/api/mcp/{name}/restart"),
     ("POST", "/shutdown"),
+    ("GET", "/api/backends"), ("POST", "/api/backends/{id}/install"), ("GET", "/api/update"),
+    ("POST", "/api/update/download"),
 }
 
 

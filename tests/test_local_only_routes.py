@@ -77,12 +77,3 @@ def test_local_only_cannot_be_spelled_around(method: str, target: str) -> None:
 ])
 def test_other_routes_answer_the_network_with_the_key(method: str, target: str) -> None:
     assert refusal(req(method, target, NETWORK_PEER)) is None
-
-
-@pytest.mark.parametrize("method,target", [("GET", "/api/backends"), ("GET", "/api/update"),
-                                           ("POST", "/api/backends/x1/install"),
-                                           ("POST", "/api/update/download")])
-def test_routes_not_built_do_not_exist(method: str, target: str) -> None:
-    with pytest.raises(HTTPError) as info:
-        app_routes().match(method, target)
-    assert (info.value.status, info.value.code) == (404, "not_found")

@@ -21,7 +21,8 @@ from ..http.routes import RouteTable
 from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore, default_data_dir
 from .events import EventBus
-from . import launch_files, llama_compat, llama_flags, models_cli, models_routes, plan_routes
+from . import backends_routes, launch_files, llama_compat, llama_flags, models_cli
+from . import models_routes, plan_routes
 from ..agent import api as agent_api
 from ..modelmaker import ensure_demo_model
 from ..service import cli as service_cli
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "to FILE.1 at 16 MiB)")
     params.add_cli_flags(p, server=True)
     models_routes.add_flags(p)
+    backends_routes.add_flags(p)
     plan_routes.add_flags(p)
     llama_compat.add_flags(p)
     agent_api.add_flags(p)
@@ -225,6 +227,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
     bus = EventBus()
     kind = AutoloadState if args.autoload else ServerState
     state = kind(options, config, bus, streamer_factory=streamer_factory)
+    backends_routes.attach(state, args)       # installed packs load before any model
     models_routes.attach(state, args)
     plan_routes.attach(state, args)
     llama_compat.attach(state, args)

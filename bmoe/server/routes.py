@@ -22,7 +22,7 @@ from ..http.sse import sse_comment, sse_event
 from ..http.types import Request, Response, Send, StreamResponse
 from ..server.config import OutsideModelsDir, confine_model_path
 from . import anthropic, decide, openai_chat, responses, wire, ws
-from . import llama_compat, models_routes, plan_routes, shapes
+from . import backends_routes, llama_compat, models_routes, plan_routes, shapes
 from .state import ServerState
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
@@ -58,6 +58,7 @@ def build_routes(state: ServerState) -> RouteTable:
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
     models_routes.register(table, state)
     plan_routes.register(table, state)
+    backends_routes.register(table, state)   # backend packs and updates (local only)
     llama_compat.register(table, state)  # llama-server's routes (/completion, /props, ...)
     # The agent's conversations, workspaces, providers. Imported here: bmoe.agent sits above
     # this package (it drives turns through turnservice), so this is an upward import, kept
