@@ -139,10 +139,12 @@ def render_prompt(session: Session, req: TurnRequest) -> str:
 
 def template_variables(session: Session, req: TurnRequest) -> tuple[bool, dict[str, Any]]:
     """Whether the turn thinks, and the template's extra variables: the setting's
-    (``chat-template-kwargs``) under the request's own. The setting's enable_thinking
-    false turns thinking off, as llama-server's flag does."""
+    (``chat-template-kwargs``) under the request's own (its ``chat_template_kwargs``).
+    The setting's enable_thinking false turns thinking off, as llama-server's flag does,
+    unless the request's own variables set enable_thinking (then `req.think` says it)."""
     own = getattr(session, "template_kwargs", None) or {}
-    think = req.think and own.get("enable_thinking", True) is not False
+    think = req.think and ("enable_thinking" in req.template_kwargs
+                           or own.get("enable_thinking", True) is not False)
     return think, {**own, **req.template_kwargs}
 
 

@@ -111,9 +111,9 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     choice, named = chatreq.tool_choice(raw if isinstance(raw, str) else None,
                                         None if raw is None or isinstance(raw, str)
                                         else raw.function.name, tools)
-    kwargs = parsed.chat_template_kwargs
+    kwargs = parsed.chat_template_kwargs.variables() if parsed.chat_template_kwargs else {}
     think = chatreq.thinking(values, config.user_keys, think=parsed.think,
-                             enable_thinking=kwargs.enable_thinking if kwargs else None,
+                             enable_thinking=kwargs.get("enable_thinking"),
                              effort=parsed.reasoning_effort)
     limit = parsed.max_completion_tokens
     budget = chatreq.budget(parsed.max_tokens if limit is None else limit, "max_tokens", values)
@@ -123,7 +123,7 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                       max_tokens=budget, think=think, schema=schema,
                       grammar=parsed.grammar or None,
                       parallel_calls=bool(parsed.parallel_tool_calls), images=images,
-                      template_kwargs=families.effort_kwargs(parsed.reasoning_effort),
+                      template_kwargs={**kwargs, **families.effort_kwargs(parsed.reasoning_effort)},
                       progress=bool(parsed.return_progress))
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 

@@ -22,6 +22,7 @@ whether an image's bytes are an image, a part this server knows but does not tak
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Annotated, Any, Callable, Literal, TypeVar
@@ -30,6 +31,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       StrictBool, StrictStr, Tag, ValidationError)
 from pydantic_core import PydanticCustomError
 
+from ..engine.params import MAX_TEMPLATE_KWARGS_CHARS, TEMPLATE_OWN_VARIABLES
 from ..http.errors import invalid_request
 
 M = TypeVar("M", bound=BaseModel)
@@ -330,8 +332,41 @@ class ResponseFormat(Wire):
     json_schema: JsonSchemaFormat | None = None
 
 
-class TemplateKwargs(Wire):
+class TemplateVariables(Wire):
+    """A request's ``chat_template_kwargs`` (llama-server's): template variables, JSON
+    values as the server's ``--chat-template-kwargs`` holds them; ``enable_thinking`` is
+    the turn's thinking switch too."""
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
     enable_thinking: StrictBool | None = None
+
+    def variables(self) -> dict[str, Any]:
+        """The variables the template reads (enable_thinking when it was given)."""
+        out = dict(self.model_extra or {})
+        if self.enable_thinking is not None:
+            out["enable_thinking"] = self.enable_thinking
+        return out
+
+
+def _template_kwargs(value: TemplateVariables | None) -> TemplateVariables | None:
+    """Bounded as the setting is: its JSON size, its nesting, and none of the variables
+    the server gives the template itself."""
+    if value is None:
+        return None
+    extra = value.model_extra or {}
+    if nesting_depth(extra) > MAX_SCHEMA_DEPTH:
+        raise _problem(f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+    size = len(json.dumps(extra))
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise _problem(f"is {size:,} characters of JSON; the limit is "
+                       f"{MAX_TEMPLATE_KWARGS_CHARS:,}")
+    taken = sorted(k for k in extra if k in TEMPLATE_OWN_VARIABLES)
+    if taken:
+        raise _problem(f"cannot set {', '.join(taken)}: the server gives the template those "
+                       "itself")
+    return value
+
+
+TemplateKwargs = Annotated[TemplateVariables | None, AfterValidator(_template_kwargs)]
 
 
 class StreamOptions(Wire):
@@ -344,7 +379,7 @@ class ChatBody(Wire):
     tool_choice: Literal["auto", "none", "required"] | ChatNamedChoice | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    chat_template_kwargs: TemplateKwargs | None = None
+    chat_template_kwargs: TemplateKwargs = None
     think: StrictBool | None = None
     reasoning_effort: StrictStr | None = None
     grammar: StrictStr | None = None
