@@ -430,8 +430,6 @@ def test_a_network_peer(namespace: str, tmp_path: Path, tiny_moe: Path) -> None:
             ("add by url", ("POST", "/api/models/url", kj, {"url": "https://example.com/x.gguf"}),
              403, "local_only"),
             ("folders", ("PUT", "/api/models/folders", kj, {"folders": ["/"]}), 403, "local_only"),
-            ("backends: not built", ("GET", "/api/backends", k, None), 404, "not_found"),
-            ("update: not built", ("GET", "/api/update", k, None), 404, "not_found"),
             ("ui without key", ("GET", "/", [("Host", at)], None), -1, None),
         ]
         # Every route the server registers local-only, from a real network peer.

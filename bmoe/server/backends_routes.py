@@ -94,11 +94,14 @@ def add_flags(p: Any) -> None:
 
 
 def check_flags(args: Any) -> None:
+    """Refuse a --feed-url or --feed-key-file that cannot be used (SystemExit with the
+    reason): called before the server starts anything."""
     if args.feed_url:
         u = urlsplit(args.feed_url)
         if u.scheme != "https" or not u.hostname or u.username or u.password:
             raise SystemExit(f"bmoe-server: --feed-url {args.feed_url!r} is not an https URL "
                              "(no user name).")
+    feed_key(args)
 
 
 def feed_key(args: Any) -> Any:
@@ -118,8 +121,8 @@ def feed_key(args: Any) -> Any:
 
 
 def attach(state: Any, args: Any) -> BackendsService:
-    """Load the installed packs into ggml, then create ``state.backends``."""
-    check_flags(args)
+    """Load the installed packs into ggml, then create ``state.backends`` (``check_flags``
+    ran first)."""
     key = feed_key(args)
     data_dir = state.options.data_dir
     loads = registry.load_installed(data_dir / "backends")

@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         logtee.start(args.log_file.expanduser().absolute())
     key = read_key(args)
     check_binding(args.host, key, args.no_api_key)
+    backends_routes.check_flags(args)
     data_dir = (args.data_dir or default_data_dir()).expanduser().resolve()
     models_dir = (args.models_dir or data_dir / "models").expanduser().resolve()
     models_dir.mkdir(parents=True, exist_ok=True)
