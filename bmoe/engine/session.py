@@ -711,6 +711,11 @@ class Session:
     def _check_usable(self) -> None:
         if not self.usable:
             raise EngineError("failed", self.rpc.failed)
+        # a streamed model's file replaced, cut short or hung: say so before the turn runs
+        problem = getattr(self.streamer, "file_problem", None)
+        message = problem() if problem is not None else None
+        if message:
+            raise EngineError("failed", message)
 
 
 def _rpc_endpoints(values: dict[str, Any]) -> tuple[Any, ...]:

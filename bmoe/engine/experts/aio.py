@@ -37,6 +37,10 @@ class _Iocb(ctypes.Structure):      # struct iocb, little-endian layout
                 ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
 class _Event(ctypes.Structure):     # struct io_event
     _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
                 ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
@@ -48,6 +52,7 @@ class Aio:
     def __init__(self, ctx: int, depth: int, calls: tuple[int, int, int, int]) -> None:
         self._ctx, self.depth = ctx, depth
         self._setup, self._destroy, self._getevents, self._submit = calls
+        self.timeout: float | None = None    # seconds pread_all waits for a completion
 
     @classmethod
     def open(cls, depth: int) -> Aio | None:
@@ -61,7 +66,10 @@ class Aio:
 
     def pread_all(self, fd: int, reads: list[tuple[int, int, int]]) -> list[int]:
         """Read each (buffer address, length, file offset); returns each one's result:
-        bytes read, or -errno."""
+        bytes read, or -errno. Raises TimeoutError when no read completed for `timeout`
+        seconds (the reads still in flight stay so: the context is not usable any more,
+        and close() waits for them)."""
+        timeout = self.timeout
         results = [0] * len(reads)
         iocbs = (_Iocb * len(reads))()
         for i, (addr, n, off) in enumerate(reads):
@@ -88,12 +96,18 @@ class Aio:
                 sent += got
             if sent == done:
                 continue
+            ts = None
+            if timeout is not None:
+                ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
             n = _libc.syscall(self._getevents, ctypes.c_ulong(self._ctx), ctypes.c_long(1),
-                              ctypes.c_long(self.depth), events, None)
+                              ctypes.c_long(self.depth), events,
+                              ctypes.byref(ts) if ts is not None else None)
             if n < 0:
                 if ctypes.get_errno() == errno.EINTR:
                     continue
                 raise OSError(ctypes.get_errno(), "io_getevents")
+            if n == 0 and timeout is not None:
+                raise TimeoutError(f"no read completed in {timeout:g} s")
             for e in events[:n]:
                 results[e.data] = e.res
             done += n

@@ -19,6 +19,15 @@ priority queue of single reads grouped into `ReadGroup`s the caller can wait on.
 a layer's real routing go in at priority 0 and jump the queue; a speculative read waits
 behind them, and a group that turns out to be needed is *promoted* (its reads not yet
 started are queued again at priority 0) and waited on, never issued twice.
+
+A failing file: every read that fails (EIO, a file cut short) is a `ReadError` whose
+message is for a person and names the file. No read is waited on for ever: the caller
+waits at most `read_timeout()` seconds (`BMOE_READ_TIMEOUT_S`, default 60) for a read
+handed to another thread (with one lane too, the read runs on a thread of its own, so a
+hung device never holds the engine thread). A read that times out leaves the reader
+*broken*: every later read fails at once with the same message until the model is
+loaded again, and `close` hands the descriptors, the AIO context and the buffers the
+stuck read may still write into to a thread that frees them once the read returns.
 """
 
 from __future__ import annotations
@@ -40,6 +49,53 @@ FRESH = -1     # a move's source: fresh pages from the reader's PageSupply
 # tensors) on the real shapes; measured on the benchmark MoE, a layer's ~5 reads all in
 # flight ran at 1,408 MiB/s where 4 at a time ran at 1,197 (one run, disk 1,835-2,307)
 AIO_DEPTH = 32
+READ_TIMEOUT_ENV = "BMOE_READ_TIMEOUT_S"
+DEFAULT_READ_TIMEOUT_S = 60.0
+
+
+def read_timeout() -> float:
+    """Seconds a caller waits for a read before it gives up (`BMOE_READ_TIMEOUT_S`)."""
+    try:
+        value = float(os.environ.get(READ_TIMEOUT_ENV, "") or DEFAULT_READ_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_READ_TIMEOUT_S
+    return value if value > 0 else DEFAULT_READ_TIMEOUT_S
+
+
+class ReadError(OSError):
+    """A read of the model file failed; `message` says what, to a person, naming the file."""
+
+    def __init__(self, message: str, err: int = errno.EIO) -> None:
+        super().__init__(err, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _reload_hint() -> str:
+    return "Load the model again once the file is whole and readable."
+
+
+def failed_read(path: str, e: OSError, offset: int) -> ReadError:
+    if isinstance(e, ReadError):
+        return e
+    what = e.strerror or os.strerror(e.errno or errno.EIO)
+    return ReadError(f"Reading the model file {path} failed at byte {offset}: {what}. The "
+                     "disk or share holding it may be failing, or the file was changed "
+                     f"while the model was loaded. {_reload_hint()}", e.errno or errno.EIO)
+
+
+def short_read(path: str, offset: int, size: int) -> ReadError:
+    return ReadError(f"The model file {path} ends early: a read at byte {offset} found no "
+                     f"data (the file was {size} bytes when the model was loaded). It was "
+                     f"truncated or replaced while the model was loaded. {_reload_hint()}")
+
+
+def timed_out(path: str, seconds: float) -> ReadError:
+    return ReadError(f"A read of the model file {path} did not finish in {seconds:g} s: the "
+                     "disk or share holding it stopped answering. "
+                     f"{_reload_hint()}", errno.ETIMEDOUT)
 
 
 @dataclass(frozen=True)
@@ -82,6 +138,11 @@ class ExpertReader:
                     else None)
         self.queue: LaneQueue | None = None
         self.supply: PageSupply | None = None
+        self.timeout_s = read_timeout()
+        if self.aio is not None:
+            self.aio.timeout = self.timeout_s
+        self.broken: ReadError | None = None     # a read timed out: nothing reads any more
+        self._solo: ThreadPoolExecutor | None = None   # one lane: the read's own thread
 
     def start_queue(self) -> LaneQueue:
         """Switch to queued lanes (read-ahead): `lanes` threads on one priority queue."""
@@ -114,10 +175,15 @@ class ExpertReader:
         """Perform `reads` (spread over the lanes); returns (bytes read, seconds waited)."""
         if not reads:
             return 0, 0.0
+        self.check()
         t0 = time.perf_counter()
         reads = self.split(reads)
         if self._pool is None or len(reads) == 1:
-            n = self._run(reads)
+            if self._pool is None and self._solo is None:
+                self._solo = ThreadPoolExecutor(1, thread_name_prefix="bmoe-read")
+            pool = self._pool or self._solo
+            assert pool is not None
+            n = self._waited([pool.submit(self._run, reads)])
         elif self.aio is not None and self.use_direct and self.mode == "aio":
             n = self._submitted(reads)
         elif self.mode == "pipe":
@@ -129,9 +195,27 @@ class ExpertReader:
                 reads = [Read(r.offset, r.length, r.buffer, r.at) for r in reads]
             futures = [self._pool.submit(self._run, batch)
                        for batch in _spread(reads, self.lanes) if batch]
-            wait(futures)      # every lane is done with the buffers before anything raises
-            n = sum(f.result() for f in futures)
+            n = self._waited(futures)
         return n, time.perf_counter() - t0
+
+    def check(self) -> None:
+        """Raise the timeout that broke this reader, if one did."""
+        if self.broken is not None:
+            raise self.broken
+
+    def give_up(self) -> ReadError:
+        """A read did not finish in time: the reader is broken from now on."""
+        if self.broken is None:
+            self.broken = timed_out(self.path, self.timeout_s)
+        return self.broken
+
+    def _waited(self, futures: list) -> int:
+        """Every lane is done with the buffers before anything raises, or the wait timed
+        out (then the reader is broken, and close() frees what the stuck read holds)."""
+        _, pending = wait(futures, timeout=self.timeout_s)
+        if pending:
+            raise self.give_up()
+        return sum(f.result() for f in futures)
 
     def _submitted(self, reads: list[Read]) -> int:
         """Every page move here, then every read in flight at once through AIO; a read
@@ -142,12 +226,21 @@ class ExpertReader:
             self._recycle(r.moves)
         plain = [Read(r.offset, r.length, r.buffer, r.at) for r in reads]
         extents = [self._extent(r) for r in plain]
-        results = self.aio.pread_all(self.direct_fd, [(r.buffer.base + start, n, lo)
-                                                     for r, (lo, start, n) in
-                                                     zip(plain, extents, strict=True)])
-        total = 0
+        try:
+            results = self.aio.pread_all(self.direct_fd, [(r.buffer.base + start, n, lo)
+                                                         for r, (lo, start, n) in
+                                                         zip(plain, extents, strict=True)])
+        except TimeoutError:
+            raise self.give_up() from None
+        total, again = 0, []
         for r, (lo, _, _), got in zip(plain, extents, results, strict=True):
-            total += got if got > 0 and lo + got >= r.offset + r.length else self._one(r)
+            if got > 0 and lo + got >= r.offset + r.length:
+                total += got
+            else:
+                again.append(r)
+        if again:                  # on the lanes, so a hung retry is waited on with a timeout
+            assert self._pool is not None
+            total += self._waited([self._pool.submit(self._one, r) for r in again])
         return total
 
     def _extent(self, r: Read) -> tuple[int, int, int]:
@@ -168,9 +261,10 @@ class ExpertReader:
                 self._recycle(r.moves)
                 futures.append(self._pool.submit(self._one, Read(r.offset, r.length,
                                                                  r.buffer, r.at)))
-        finally:
-            wait(futures)      # every lane is done with the buffers before anything raises
-        return sum(f.result() for f in futures)
+        except BaseException:
+            self._waited(futures)
+            raise
+        return self._waited(futures)
 
     def split(self, reads: list[Read]) -> list[Read]:
         """Each read cut into pieces of at most `chunk` bytes at page-aligned file offsets,
@@ -187,11 +281,18 @@ class ExpertReader:
         if self.use_direct:
             try:
                 return self._direct(r)
+            except ReadError:
+                raise
             except OSError as e:
                 if e.errno != errno.EINVAL:
-                    raise
+                    raise failed_read(self.path, e, r.offset) from None
                 self._disable_direct(f"a direct read was refused ({e.strerror})")
-        return self._buffered(r)
+        try:
+            return self._buffered(r)
+        except ReadError:
+            raise
+        except OSError as e:
+            raise failed_read(self.path, e, r.offset) from None
 
     def _direct(self, r: Read) -> int:
         # The buffer holds file byte x at x - r.offset + phase + at, and its phase equals
@@ -207,7 +308,7 @@ class ExpertReader:
                 break
             got += n
         if lo + got < r.offset + r.length:
-            raise OSError(errno.EIO, f"short read at offset {lo + got} of {self.path}")
+            raise short_read(self.path, lo + got, self.file_size)
         return got
 
     def _buffered(self, r: Read) -> int:
@@ -217,7 +318,7 @@ class ExpertReader:
         while got < r.length:
             n = os.preadv(self.buffered_fd, [view[start + got:start + r.length]], r.offset + got)
             if n <= 0:
-                raise OSError(errno.EIO, f"short read at offset {r.offset + got} of {self.path}")
+                raise short_read(self.path, r.offset + got, self.file_size)
             got += n
         return got
 
@@ -240,17 +341,29 @@ class ExpertReader:
                         self.recycle = False  # freeing and faulting in still works
             discard_pages(src, n)
 
-    def close(self) -> None:
+    def close(self, buffers: list[AnonBuffer] | tuple[AnonBuffer, ...] = ()) -> None:
+        """Stop the lanes, close the descriptors, then close `buffers` (the ones the reads
+        land in). A broken reader (a read that never returned) does all of it on a thread
+        of its own once that read returns, so neither the caller waits for a hung device
+        nor does a late read land in memory given to something else."""
+        if self.broken is not None:
+            threading.Thread(target=self._close_now, args=(tuple(buffers),),
+                             name="bmoe-read-close", daemon=True).start()
+            return
+        self._close_now(tuple(buffers))
+
+    def _close_now(self, buffers: tuple[AnonBuffer, ...]) -> None:
         if self.queue is not None:
             self.queue.close()
             self.queue = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._solo):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._solo = None
         if self.supply is not None:
             self.supply.close()
         if self.aio is not None:
-            self.aio.close()
+            self.aio.close()       # waits for reads still in flight
             self.aio = None
         if self.direct_fd >= 0:
             os.close(self.direct_fd)
@@ -258,6 +371,8 @@ class ExpertReader:
         if self.buffered_fd >= 0:
             os.close(self.buffered_fd)
             self.buffered_fd = -1
+        for buf in buffers:
+            buf.close()
 
 
 def _pieces(r: Read, chunk: int) -> list[Read]:

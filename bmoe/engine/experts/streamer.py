@@ -102,7 +102,7 @@ from .memory import (
     pin_anonymous,
     resident_fraction,
 )
-from .reader import FRESH, ExpertReader, LaneQueue, Read, ReadGroup
+from .reader import FRESH, ExpertReader, LaneQueue, Read, ReadError, ReadGroup
 
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
@@ -150,6 +150,7 @@ class ExpertStreamer:
         self._dense_frac = -1.0
         self._dense_at = 0.0
         self._failure: str | None = None
+        self._file_id: tuple[int, int, int] | None = None
         self._token = _Counters()
         self._turn = _Counters()      # prefill of the current turn
         self._total = _Counters()
@@ -262,6 +263,8 @@ class ExpertStreamer:
                       else ExpertCache(unit, self.layout.n_expert, self.budget.bytes, policy))
         self.reader = ExpertReader(str(self.path), int(self.values.get("io-threads", 4) or 1),
                                    bool(self.values.get("o-direct", True)))
+        st = os.fstat(self.reader.buffered_fd)
+        self._file_id = (st.st_ino, st.st_size, st.st_mtime_ns)   # file_problem() compares
         # Each slice that ever received moved pages becomes its own mapping (and so does
         # the edge page between two slices): stay well inside the kernel's map limit.
         slices = sum(t.n_expert for t in self.layout.experts)
@@ -420,9 +423,43 @@ class ExpertStreamer:
             self._route(t)
             return True
         except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
-            if self._failure is None:
-                self._failure = f"Expert streaming failed: {e}"
+            self._fail(e)
             return False
+
+    def _fail(self, e: BaseException) -> None:
+        """Record the first failure of this graph (a read's own message is for a person)."""
+        if self._failure is None:
+            self._failure = (e.message if isinstance(e, ReadError)
+                             else f"Expert streaming failed: {e}")
+
+    def file_problem(self) -> str | None:
+        """Why the model file cannot be streamed from any more, if it cannot: a read
+        timed out (the reader is broken), or the file at the model's path is not the one
+        loaded (replaced, cut short, or written over since). Checked before each turn."""
+        reader = self.reader
+        if reader is None:
+            return None
+        if reader.broken is not None:
+            return reader.broken.message
+        try:
+            now = os.stat(reader.path)
+        except OSError as e:
+            return (f"The model file {reader.path} cannot be read any more "
+                    f"({e.strerror}). Put it back and load the model again.")
+        if self._file_id is None:
+            return None
+        ino, size, mtime = self._file_id
+        if (now.st_ino, now.st_size, now.st_mtime_ns) == (ino, size, mtime):
+            return None
+        if now.st_ino != ino:
+            what = "was replaced by another file"
+        elif now.st_size != size:
+            what = f"changed size ({size} bytes when loaded, {now.st_size} now)"
+        else:
+            what = "was written to"
+        return (f"The model file {reader.path} {what} since the model was loaded, so its "
+                "experts cannot be read from it any more. Load the model again once the "
+                "file is whole.")
 
     def _is_local(self, topk_name: bytes) -> bool:
         """Whether the layer of an `ffn_moe_topk-<l>` node is held here (not by a helper)."""
@@ -439,8 +476,7 @@ class ExpertStreamer:
                 self._bind(node)
             return len(self._unbound)
         except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
-            if self._failure is None:
-                self._failure = f"Expert streaming failed: {e}"
+            self._fail(e)
             return max(1, len(self._unbound))
 
     def _route_native(self, node: int, layer: int, k: int, n: int, row: int,
@@ -454,8 +490,7 @@ class ExpertStreamer:
                 self._enter_resident()
             return True
         except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
-            if self._failure is None:
-                self._failure = f"Expert streaming failed: {e}"
+            self._fail(e)
             return False
 
     def _all_resident_for_good(self) -> bool:
@@ -546,6 +581,8 @@ class ExpertStreamer:
 
     def ensure(self, layer: int, ids: np.ndarray) -> Admission:
         """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses)."""
+        if self.reader is not None:
+            self.reader.check()          # a read timed out before: nothing reads any more
         if self.queue is not None:
             return self._ensure_queued(layer, ids)
         assert self.cache is not None and self.reader is not None
@@ -607,10 +644,13 @@ class ExpertStreamer:
             cc.stall_s += stall
         return adm
 
-    @staticmethod
-    def _wait(groups: list[ReadGroup]) -> BaseException | None:
+    def _wait(self, groups: list[ReadGroup]) -> BaseException | None:
+        """Wait for `groups`; a group not done within the reader's timeout breaks it."""
+        assert self.reader is not None
+        deadline = time.monotonic() + self.reader.timeout_s
         for g in groups:
-            g.done.wait()
+            if not g.done.wait(max(0.0, deadline - time.monotonic())):
+                return self.reader.give_up()
         return next((g.error for g in groups if g.error is not None), None)
 
     def _score_guess(self, layer: int, ids: np.ndarray, c: _Counters) -> None:
@@ -933,10 +973,12 @@ class ExpertStreamer:
         self._end_load()
         self.queue = None
         if self.reader is not None:
-            self.reader.close()
+            # the buffers close after the reader's lanes (later, if a read is stuck)
+            self.reader.close(list(self._buffers.values()))
             self.reader = None
-        for buf in self._buffers.values():
-            buf.close()
+        else:
+            for buf in self._buffers.values():
+                buf.close()
         self._buffers.clear()
         self._by_layer.clear()
 
