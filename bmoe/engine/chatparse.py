@@ -59,6 +59,7 @@ __all__ = ["CALL_CLOSE", "CALL_OPEN", "FRAMINGS", "FUNCTION_CLOSE", "FUNCTION_OP
            "PARAM_CLOSE", "PARAM_OPEN", "QWEN3_CODER", "THINK_CLOSE", "THINK_OPEN", "JsonObject",
            "ToolCallView", "ParseView", "detect_framing", "OutputParser", "coerce_parameter",
            "schema_types", "tool_parameters", "random_call_ids", "sequential_call_ids",
+           "choose_call_id", "conversation_call_ids",
            "ChatDeltaStream", "BlockOpen", "BlockAppend", "BlockClose", "BlockEvent",
            "AppendOnlyStream"]
 
@@ -73,6 +74,8 @@ class ToolCallView:
     name: str
     arguments_text: str       # JSON text; later views only ever append to it
     complete: bool
+    id: str = ""              # the id the model wrote, in formats that carry one (Kimi K2's
+    #                           functions.NAME:0, Mistral's [CALL_ID]); else the server's
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,33 @@ class OutputParser:
 # Delta producers
 
 
+# a model's own call id is kept when it is visible ASCII, of a reasonable length, and not
+# an id the conversation (or this answer) already holds
+_MODEL_ID = re.compile(r"[\x21-\x7e]{1,64}")
+
+
+def conversation_call_ids(messages: list[dict[str, Any]]) -> set[str]:
+    """The call ids a conversation already holds (calls and the results that name them)."""
+    taken = set()
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        if isinstance(msg.get("tool_call_id"), str):
+            taken.add(msg["tool_call_id"])
+        for call in msg.get("tool_calls") or []:
+            if isinstance(call, dict) and isinstance(call.get("id"), str):
+                taken.add(call["id"])
+    return taken
+
+
+def choose_call_id(call: ToolCallView, taken: set[str], new_id: Callable[[], str]) -> str:
+    """The model's own id for `call` when its format carries a usable one, else a new
+    one; either way it joins `taken`."""
+    call_id = call.id if _MODEL_ID.fullmatch(call.id) and call.id not in taken else new_id()
+    taken.add(call_id)
+    return call_id
+
+
 def random_call_ids(prefix: str = "call_") -> Callable[[], str]:
     return lambda: prefix + secrets.token_hex(12)
 
@@ -303,8 +333,10 @@ class ChatDeltaStream:
     "function": {"arguments": piece}}``.
     """
 
-    def __init__(self, new_id: Callable[[], str] | None = None) -> None:
+    def __init__(self, new_id: Callable[[], str] | None = None,
+                 taken: set[str] | None = None) -> None:
         self._new_id = new_id or random_call_ids()
+        self._taken = set(taken or ())          # ids a model's own id must not repeat
         self._reasoning = ""
         self._content = ""
         self._call_ids: list[str] = []
@@ -341,19 +373,19 @@ class ChatDeltaStream:
             if index == len(self._call_ids):
                 if not (call.arguments_text or call.complete or final):
                     break
-                out.append(self._open_call(index, call.name))
+                out.append(self._open_call(index, call))
             piece = _extension(self._call_args[index], call.arguments_text)
             if piece:
                 self._call_args[index] = call.arguments_text
                 out.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
         return out
 
-    def _open_call(self, index: int, name: str) -> dict[str, Any]:
-        call_id = self._new_id()
+    def _open_call(self, index: int, call: ToolCallView) -> dict[str, Any]:
+        call_id = choose_call_id(call, self._taken, self._new_id)
         self._call_ids.append(call_id)
         self._call_args.append("")
         return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                "function": {"name": name, "arguments": ""}}]}
+                                "function": {"name": call.name, "arguments": ""}}]}
 
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
@@ -401,8 +433,10 @@ class AppendOnlyStream:
     complete, new reasoning and text wait.
     """
 
-    def __init__(self, new_id: Callable[[], str] | None = None) -> None:
+    def __init__(self, new_id: Callable[[], str] | None = None,
+                 taken: set[str] | None = None) -> None:
         self._new_id = new_id or random_call_ids()
+        self._taken = set(taken or ())          # ids a model's own id must not repeat
         self._reasoning = ""
         self._text = ""
         self._call_ids: list[str] = []
@@ -459,7 +493,7 @@ class AppendOnlyStream:
             if not (call.arguments_text or call.complete or final):
                 break
             out += self._close()
-            call_id = self._new_id()
+            call_id = choose_call_id(call, self._taken, self._new_id)
             self._call_ids.append(call_id)
             self._call_args.append("")
             out.append(self._start(_OpenBlock(self._next_index, "tool_call", index),

@@ -252,14 +252,16 @@ def new_tool_id() -> str:
     return "toolu_" + secrets.token_hex(12)
 
 
-def content_blocks(view: ParseView) -> list[dict[str, Any]]:
+def content_blocks(view: ParseView, ids: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The answer's blocks; its calls take `ids` (the turn's, in order) while they last."""
     blocks: list[dict[str, Any]] = []
     if view.reasoning:
         blocks.append({"type": "thinking", "thinking": view.reasoning, "signature": ""})
     if view.content:
         blocks.append({"type": "text", "text": view.content})
-    for call in view.tool_calls:
-        blocks.append({"type": "tool_use", "id": new_tool_id(), "name": call.name,
+    for i, call in enumerate(view.tool_calls):
+        blocks.append({"type": "tool_use", "id": ids[i] if i < len(ids) else new_tool_id(),
+                       "name": call.name,
                        "input": _tool_input(call.arguments_text)})
     return blocks
 
@@ -294,7 +296,7 @@ class MessagesEncoder:
     def whole(self, fin: Finished) -> dict[str, Any]:
         self.model = fin.model
         view = fin.view
-        body = self.message(content_blocks(view), _stop_reason(fin.finish, bool(view.tool_calls)),
+        body = self.message(content_blocks(view, fin.call_ids), _stop_reason(fin.finish, bool(view.tool_calls)),
                             _usage(fin))
         body["bmoe"] = {"summary": fin.summary}
         return body

@@ -249,14 +249,16 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
             "name": name, "arguments": arguments, "status": status}
 
 
-def output_items(view: ParseView) -> list[dict[str, Any]]:
+def output_items(view: ParseView, ids: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The answer's items; its calls take `ids` (the turn's, in order) while they last."""
     items = []
     if view.reasoning:
         items.append(reasoning_item(view.reasoning))
     if view.content:
         items.append(message_item(view.content))
-    for call in view.tool_calls:
-        items.append(call_item(_new_id("call_"), call.name, call.arguments_text or "{}"))
+    for i, call in enumerate(view.tool_calls):
+        items.append(call_item(ids[i] if i < len(ids) else _new_id("call_"), call.name,
+                               call.arguments_text or "{}"))
     return items
 
 
@@ -324,7 +326,7 @@ class ResponsesEncoder:
     def whole(self, fin: Finished) -> dict[str, Any]:
         self.model = fin.model or self.model
         status, incomplete = _status(fin.finish)
-        return self.response(status, output_items(fin.view), fin, incomplete_details=incomplete)
+        return self.response(status, output_items(fin.view, fin.call_ids), fin, incomplete_details=incomplete)
 
     # -- streaming ------------------------------------------------------------------
 

@@ -31,8 +31,8 @@ from typing import Any, Callable, Literal, Union
 
 from ..engine.chatparse import (THINK_CLOSE, THINK_OPEN, AppendOnlyStream, BlockClose,
                                 BlockEvent, BlockOpen, ChatDeltaStream, ParseView,
-                                random_call_ids)
-from ..engine.families import output_parser, reasoning_markers
+                                choose_call_id, conversation_call_ids, random_call_ids)
+from ..engine.families import call_id_maker, output_parser, reasoning_markers
 from ..engine.errors import EngineError
 from ..engine.session import Generation, PrefillProgress, TokenEvent
 from ..engine.turn import Prepared, TurnRequest
@@ -233,9 +233,14 @@ class TurnOutput:
             self.parser = ReasoningKept(self.parser, reasoning_format, bool(tools),
                                         reasoning_markers(prepared.family))
         self.shape = shape
-        new_id = new_call_id or random_call_ids()
-        self._chat = ChatDeltaStream(new_id) if shape == "revisable" else None
-        self._blocks = AppendOnlyStream(new_id) if shape == "blocks" else None
+        # a call keeps the id its model wrote when the format carries one and the
+        # conversation does not hold it yet; others get the family's kind of new id
+        new_id = call_id_maker(prepared.family, new_call_id or random_call_ids())
+        taken = conversation_call_ids(req.messages)
+        self._new_id, self._taken = new_id, taken
+        self._chat = ChatDeltaStream(new_id, taken) if shape == "revisable" else None
+        self._blocks = AppendOnlyStream(new_id, taken) if shape == "blocks" else None
+        self._whole_ids: tuple[str, ...] | None = None
         self.view = ParseView()
         self.reasoning_tokens = 0
 
@@ -268,8 +273,16 @@ class TurnOutput:
         return self._events(self.view, final=True)
 
     def call_ids(self) -> tuple[str, ...]:
+        """The calls' ids in order: the stream's, or (a whole answer) chosen once from the
+        final view as a stream would."""
         stream = self._chat or self._blocks
-        return tuple(stream.call_ids) if stream is not None else ()
+        if stream is not None:
+            return tuple(stream.call_ids)
+        if self._whole_ids is None:
+            taken = set(self._taken)
+            self._whole_ids = tuple(choose_call_id(c, taken, self._new_id)
+                                    for c in self.view.tool_calls)
+        return self._whole_ids
 
     def _events(self, view: ParseView, final: bool) -> list[TurnEvent]:
         if self._chat is not None:

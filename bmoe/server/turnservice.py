@@ -217,11 +217,12 @@ async def _ignore(_ev: TurnEvent) -> None:
     return None
 
 
-async def whole(state: ServerState, req: TurnRequest) -> Finished:
+async def whole(state: ServerState, req: TurnRequest,
+                new_call_id: Callable[[], str] | None = None) -> Finished:
     """A non-streaming turn, from its place in line to the checked final view."""
     turn = Turn(state, req)
     try:
-        return await drive(turn, _ignore, None)
+        return await drive(turn, _ignore, None, new_call_id)
     finally:
         turn.close()
 
@@ -268,7 +269,7 @@ async def serve(state: ServerState, req: TurnRequest, encoder: Encoder, *, strea
     require_model(state)
     try:
         if not streaming:
-            return Response.json(encoder.whole(await whole(state, req)))
+            return Response.json(encoder.whole(await whole(state, req, encoder.new_call_id)))
         turn = await open_stream(state, req)
     except EngineError as e:
         raise http_error(e) from None

@@ -17,6 +17,8 @@ so each view extends the one before and the last one is the whole parse.
 
 from __future__ import annotations
 
+import secrets
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -170,6 +172,17 @@ def effort_kwargs(effort: str | None) -> dict[str, Any]:
     """A request's reasoning effort as template variables: low / medium / high reach the
     template as ``reasoning_effort`` (gpt-oss writes it into its system message)."""
     return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else {}
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def call_id_maker(framing: str | None, fallback: Callable[[], str]) -> Callable[[], str]:
+    """New call ids as the family's template takes them back: Mistral's templates refuse
+    an id that is not 9 letters and digits (llama.cpp writes such ids for it too)."""
+    if framing == MISTRAL:
+        return lambda: "".join(secrets.choice(_ALNUM) for _ in range(9))
+    return fallback
 
 
 def family(framing: str | None) -> Family | None:

@@ -30,7 +30,7 @@ def parse(text: str, partial: bool, tools: list[JsonObject] | None,
     items = obj.get("tool_calls", [obj["tool_call"]] if isinstance(obj.get("tool_call"), dict) else None)
     if isinstance(items, list):
         calls = tuple(ToolCallView(i["name"], json.dumps(i.get("arguments", {}), ensure_ascii=False),
-                                   True)
+                                   True, i["id"] if isinstance(i.get("id"), str) else "")
                       for i in items if isinstance(i, dict) and isinstance(i.get("name"), str))
         return ParseView(reasoning.strip(), "", calls)
     if isinstance(obj.get("response"), str):

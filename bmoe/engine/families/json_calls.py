@@ -20,7 +20,8 @@ Fix = Callable[[str], str]
 
 
 def _calls_between(text: str, partial: bool, begin: str, sep: str, ends: Sequence[str],
-                   fix_name: Fix = str.strip, skip: Fix = lambda s: s) -> list[ToolCallView]:
+                   fix_name: Fix = str.strip, skip: Fix = lambda s: s,
+                   call_id: Fix = lambda s: "") -> list[ToolCallView]:
     calls = []
     chunks = text.split(begin)[1:]
     for n, chunk in enumerate(chunks):
@@ -33,7 +34,7 @@ def _calls_between(text: str, partial: bool, begin: str, sep: str, ends: Sequenc
         name = fix_name(chunk[:at])
         args, _, complete = json_args(skip(chunk[at + len(sep):]), open_, ends)
         if name:
-            calls.append(ToolCallView(name, args, complete or not open_))
+            calls.append(ToolCallView(name, args, complete or not open_, call_id(chunk[:at])))
     return calls
 
 
@@ -100,7 +101,7 @@ def _kimi_name(raw: str) -> str:
 def parse_kimi(text: str, partial: bool, tools: list[JsonObject] | None,
                starts_in_reasoning: bool) -> ParseView:
     return _sectioned(text, partial, starts_in_reasoning, KIMI_SECTION, lambda rest, p: _calls_between(
-        rest, p, KIMI_CALL, KIMI_ARGS, [KIMI_END], _kimi_name))
+        rest, p, KIMI_CALL, KIMI_ARGS, [KIMI_END], _kimi_name, call_id=str.strip))
 
 
 # -- Mistral / Devstral / Magistral -------------------------------------------
@@ -118,10 +119,11 @@ def _mistral_calls(rest: str, partial: bool) -> list[ToolCallView]:
         if body.startswith("["):                       # [{"name": ..., "arguments": ...}, ...]
             calls += _json_list(body, open_)
         elif M_ARGS in chunk:
-            name = chunk[:chunk.find(M_ARGS)].split(M_CALL_ID)[0].strip()
+            name, _, call_id = chunk[:chunk.find(M_ARGS)].partition(M_CALL_ID)
             args, _, complete = json_args(chunk[chunk.find(M_ARGS) + len(M_ARGS):], open_,
                                           [M_CALLS, "</s>"])
-            calls.append(ToolCallView(name, args, complete or not open_))
+            calls.append(ToolCallView(name.strip(), args, complete or not open_,
+                                      call_id.strip()))
     return calls
 
 
@@ -133,8 +135,15 @@ def _json_list(body: str, partial: bool) -> list[ToolCallView]:
         items = json.loads(body[:end])
     except ValueError:
         return []
-    return [ToolCallView(i["name"], json.dumps(i.get("arguments", {}), ensure_ascii=False), True)
+    return [ToolCallView(i["name"], json.dumps(i.get("arguments", {}), ensure_ascii=False), True,
+                         _own_id(i))
             for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
+
+
+def _own_id(item: dict, key: str = "id") -> str:
+    """A JSON call's own id (Mistral Nemo's ``"id"``), when it wrote one."""
+    value = item.get(key)
+    return value if isinstance(value, str) else ""
 
 
 def parse_mistral(text: str, partial: bool, tools: list[JsonObject] | None,

@@ -39,8 +39,10 @@ def _apertus_call(obj: Any) -> ToolCallView | None:
 
 def _r7b_call(obj: Any) -> ToolCallView | None:
     if isinstance(obj, dict) and isinstance(obj.get("tool_name"), str):
+        own = obj.get("tool_call_id")
         return ToolCallView(obj["tool_name"], json.dumps(obj.get("parameters", {}),
-                                                         ensure_ascii=False), True)
+                                                         ensure_ascii=False), True,
+                            own if isinstance(own, str) else "")
     return None
 
 
