@@ -120,7 +120,13 @@ def _child(*args: str) -> tuple[bool, str, str]:
     if done.returncode < 0:
         return False, "", f"loading it ended the process that tried (signal {-done.returncode})"
     if done.returncode != 0 or not answer.get("ok"):
-        return False, "", str(answer.get("error") or "it did not load")
+        why = str(answer.get("error") or "it did not load")
+        said = [line.split(": ", 1)[1] for line in
+                done.stderr.decode("utf-8", "replace").splitlines()
+                if line.startswith(("load_backend: failed", "load_backend: backend"))]
+        if said:   # ggml's own words: the loader's reason, the library's path in it
+            why = f"ggml did not load it: {said[-1][:300]}"
+        return False, "", why
     return True, str(answer.get("name", "")), ""
 
 

@@ -5,7 +5,8 @@ what ggml registered and loaded at start, and the one download of each kind unde
 The feed is read from the network only when a person asks (``GET /api/backends?refresh=1``,
 ``GET /api/update``). A build without a feed key (``feed.FEED_PUBLIC_KEY``) answers ``503
 no_feed_key`` wherever it would need the feed. A feed that cannot be read or does not
-verify replaces nothing: the feed kept before still answers.
+verify replaces nothing: the feed kept before still answers. Nor does a signed feed of an
+older release than the kept one's (an old feed replayed to offer what was since replaced).
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class BackendsService:
         if status != 200:
             raise FeedError(f"The feed could not be read: its host answered HTTP {status}.")
         feed, document = feedmod.verify(body, key)
+        kept = self.kept_feed()
+        if kept is not None and feedmod.newer(kept.version, feed.version):
+            raise FeedError(f"The feed says release {feed.version}, older than the "
+                            f"{kept.version} of the feed read before: an old feed sent again "
+                            "is not used.")
         await trio.to_thread.run_sync(atomicfile.write_bytes,
                                       self.backends_dir / FEED_FILE, document)
         self._document = document
