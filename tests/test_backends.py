@@ -488,3 +488,57 @@ def test_a_real_cpu_backend_pack_registers_after_a_restart(
             srv.stop()
     finally:
         feed.publish(feed.document())
+
+
+# -- the Settings screen -----------------------------------------------------------------
+
+def test_the_settings_screen_lists_the_packs_and_installs_one(
+        feed: Feed, tmp_path: Path) -> None:
+    """The page itself (headless Chromium, as tests/test_ui_browser.py runs it): what ggml
+    registered, the feed's packs once the person asks, an install with its progress, and
+    the restart it needs."""
+    import os
+    if os.environ.get("CI"):
+        import playwright.sync_api as sync_api
+    else:
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not Path("/usr/bin/chromium").exists():
+            pytest.skip("needs Debian's chromium package (apt-get install chromium)")
+    srv = feed_server(tmp_path, feed)
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            try:
+                page = browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(srv.url + "/#settings")
+                registered = page.locator("#backends-registered")
+                registered.wait_for(timeout=30_000)
+                assert "CPU" in registered.inner_text() and TARGET in registered.inner_text()
+                assert page.locator("#backend-packs").count() == 0     # not read until asked
+                page.click("#backends-check")
+                row = page.locator('#backend-packs [data-id="good"]')
+                row.wait_for(timeout=30_000)
+                assert "Pack good" in row.inner_text()
+                driver = page.locator('#backend-packs [data-id="needs-driver"]')
+                assert "does not apply" in driver.inner_text()
+                assert driver.locator("button").inner_text() == "Install anyway"
+                row.locator("button").click()
+                page.locator("#backends-restart").wait_for(timeout=60_000)
+                row = page.locator('#backend-packs [data-id="good"]')
+                assert "Installed" in row.locator(".backend-progress").inner_text()
+                assert row.locator("button").inner_text() == "Install again"
+                # a refusal is shown in the server's words
+                page.locator('#backend-packs [data-id="tampered"] button').click()
+                page.wait_for_function("document.querySelector('#backend-packs "
+                                       "[data-id=\"tampered\"] .backend-progress')"
+                                       ".textContent.includes('SHA-256')", timeout=60_000)
+                assert errors == []
+            finally:
+                browser.close()
+        assert (tmp_path / "backends" / "good" / "pack.json").is_file()
+        assert not (tmp_path / "backends" / "tampered").exists()
+    finally:
+        srv.stop()

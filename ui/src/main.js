@@ -12,6 +12,7 @@ import { ModelsView } from './modelsview.js';
 import { PlanView } from './planview.js';
 import { AgentView } from './agentview.js';
 import { ToolsView } from './toolsview.js';
+import { BackendsView } from './backendsview.js';
 
 const VIEWS = ['chat', 'settings', 'models', 'plan', 'agent', 'tools'];
 
@@ -23,6 +24,7 @@ class App {
     this.metrics = new MetricsView();
     this.models = new ModelsView({ api: this.api });
     this.settings = new SettingsView({ api: this.api, onLoadAgain: () => this.models.loadAgain().catch(() => this.show('models')) });
+    this.backends = new BackendsView({ api: this.api, root: byId('view-settings') });
     this.plan = new PlanView({ api: this.api });
     this.chat = new Chat({ api: this.api, renderer: createRenderer(window) });
     this.agent = new AgentView({ api: this.api, renderer: createRenderer(window) });
@@ -50,6 +52,7 @@ class App {
     document.body.dataset.current = view;
     if (view === 'plan' && this.plan) this.plan.open();
     if (view === 'tools' && this.tools) this.tools.open();
+    if (view === 'settings' && this.backends) this.backends.open();
     if (location.hash.slice(1) !== view) history.replaceState(null, '', `#${view}`);
   }
 
@@ -119,6 +122,9 @@ class App {
         break;
       case 'models_folders':
         this.models.library.setListing(data);
+        break;
+      case 'backend':
+        this.backends.onEvent(data);
         break;
       default:
         break;
