@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 from datetime import datetime
+from collections.abc import Iterator
 from typing import Any
 
 import jinja2
@@ -50,10 +51,18 @@ class _GenerationBlock(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
+def _as_list(value: Any) -> Any:
+    """What a Jinja filter chain leaves (``tools | map(attribute='function')`` is a
+    generator in Jinja2, a list in llama.cpp's templates) written as the list it is."""
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+                      separators=separators, sort_keys=sort_keys, default=_as_list)
 
 
 class ChatTemplate:
