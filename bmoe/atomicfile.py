@@ -12,8 +12,13 @@ from pathlib import Path
 def write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
     """Replace `path` with `data` atomically (`mode`: the file's permissions; by default
     the temp file's own, readable by its owner only)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        if e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         if mode is not None:
             os.fchmod(fd, mode)
@@ -22,11 +27,14 @@ def write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.errno is not None:
+            # named by the file it was to replace, not by its temp file (a message says it)
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     fsync_dir(path.parent)
 

@@ -171,7 +171,11 @@ class AgentService:
     async def create(self, title: str, mode: str, workspace: str | None, route: str) -> cv.Conv:
         conv = cv.new_conversation(title, mode, workspace, route)
         self.convs[conv["id"]] = conv
-        await self.save(conv)
+        try:
+            await self.save(conv)
+        except OSError:              # not on disk (a full data folder): not created
+            self.convs.pop(conv["id"], None)
+            raise
         self._publish(conv, "conversation", cv.summary(conv))
         return conv
 

@@ -10,6 +10,7 @@ its traceback on stderr, never shown to the client.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -41,6 +42,28 @@ def invalid_request(message: str) -> HTTPError:
 def internal_error() -> HTTPError:
     """The server's own fault, as the client sees it: no detail, no traceback."""
     return HTTPError(500, "internal", "The server failed to answer this request.")
+
+
+_STORAGE = {
+    errno.ENOSPC: ("disk_full", "the disk holding it is full. Free some space and try again"),
+    errno.EDQUOT: ("disk_full", "the disk quota is used up. Free some space and try again"),
+    errno.EROFS: ("read_only", "its folder is on a read-only file system. Make the data "
+                               "folder writable (or start the server with another one)"),
+    errno.EACCES: ("not_writable", "the server may not write there. Give it the right to "
+                                   "write in the data folder"),
+}
+
+
+def storage_error(exc: BaseException) -> HTTPError | None:
+    """A file the server keeps that could not be written (disk full, read-only, no
+    permission): `507` with a sentence naming the file, not a `500` (the server's own
+    fault): the change the request asked for is not on disk, the server goes on serving."""
+    if not isinstance(exc, OSError) or exc.errno not in _STORAGE:
+        return None
+    code, why = _STORAGE[exc.errno]
+    name = f" {exc.filename}" if exc.filename else ""
+    return HTTPError(507, code, f"The server could not save the file{name}: {why}. "
+                                "This change is not on disk.")
 
 
 def sole_exception(exc: BaseException) -> BaseException:

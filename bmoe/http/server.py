@@ -50,7 +50,7 @@ from . import limits
 from .access import AccessPolicy, check_access
 from .admission import Admission
 from .connection import serve_connection
-from .errors import HTTPError, internal_error, sole_exception
+from .errors import HTTPError, internal_error, sole_exception, storage_error
 from .parent import watch_parent
 from .routes import Dispatch, RouteTable
 from .static import StaticFiles
@@ -87,8 +87,13 @@ class HttpApp:
         except Exception as exc:
             leaf = sole_exception(exc)
             if not isinstance(leaf, HTTPError):
-                log.error("%s %s failed", request.method, request.path, exc_info=exc)
-                leaf = internal_error()
+                stored = storage_error(leaf)
+                if stored is not None:
+                    log.warning("%s %s: %s", request.method, request.path, stored.message)
+                    leaf = stored
+                else:
+                    log.error("%s %s failed", request.method, request.path, exc_info=exc)
+                    leaf = internal_error()
             return self.error_response(request, leaf)
 
     def error_response(self, request: Request | None, err: HTTPError) -> Response:

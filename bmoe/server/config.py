@@ -213,6 +213,7 @@ class ConfigStore:
         values, reset = _checked_body(values, reset)
         confine = models_only or not peer_is_local
         with self._lock:
+            before = (dict(self._client), dict(self._outranked))
             rejected: dict[str, Rejection] = {}
             changed = False
             for key, raw in values.items():
@@ -226,7 +227,12 @@ class ConfigStore:
                 if problem is not None:
                     rejected[key] = problem
             if changed:
-                self._save()
+                try:
+                    self._save(strict=True)
+                except OSError:
+                    # not kept on disk: not kept at all, so the answer (an error) is true
+                    self._client, self._outranked = before
+                    raise
             return self.state(loaded_values), rejected
 
     def extra(self, key: str) -> Any:
@@ -322,10 +328,14 @@ class ConfigStore:
         return {**self._extra, "version": SETTINGS_VERSION, "values": ordered,
                 "user_keys": list(ordered)}
 
-    def _save(self) -> None:
+    def _save(self, strict: bool = False) -> None:
+        """Write the settings file; `strict` raises a failure (a full or read-only data
+        folder) instead of logging it."""
         try:
             _write_atomically(self._path, json.dumps(self._document(), indent=2) + "\n")
         except OSError as e:
+            if strict:
+                raise
             log.warning("settings: could not save %s (%s); the change holds until "
                         "the server stops", self._path, e)
 
