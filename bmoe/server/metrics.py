@@ -9,13 +9,19 @@ a `prometheus_client` collector, and `prometheus_client` writes the text exposit
 format (names, `# HELP`/`# TYPE`, escaping): nothing here formats it by hand.
 
 The names are llama-server's (`llamacpp:prompt_tokens_total`, ...), so its dashboards
-read ours; bmoe's own figures are `bmoe:`-prefixed.
+read ours; bmoe's own figures are `bmoe:`-prefixed. `bmoe:process_*` are what a long run
+watches for growth (bench/soak.py): trio tasks alive (counted from the root task down at
+the scrape), event-bus subscribers, threads, open descriptors and resident memory.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+import trio
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -91,6 +97,52 @@ class _Collector(Collector):
                      1 if state.generating else 0)
         yield _gauge("requests_deferred", "Number of requests deferred.", state.turns.waiting)
         yield from _expert_metrics(session)
+        yield from _process_metrics(state)
+
+
+def trio_tasks() -> int:
+    """Tasks alive in this trio run (the root task and every descendant); -1 outside trio."""
+    try:
+        root = trio.lowlevel.current_root_task()
+    except RuntimeError:
+        return -1
+    if root is None:
+        return -1
+    n, todo = 0, [root]
+    while todo:
+        task = todo.pop()
+        n += 1
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return n
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def _process_metrics(state: Any) -> Iterator[Metric]:
+    bus = getattr(state, "bus", None)
+    yield _gauge("process_trio_tasks", "Trio tasks alive.", trio_tasks(), "bmoe:")
+    yield _gauge("process_event_subscribers", "Event-bus subscribers (event streams, "
+                 "WebSockets).", bus.subscribers if bus is not None else -1, "bmoe:")
+    yield _gauge("process_threads", "Python threads (the kernel's count, with native "
+                 "ones, is in /proc).", threading.active_count(), "bmoe:")
+    yield _gauge("process_open_fds", "Open file descriptors (-1: unknown).", _open_fds(),
+                 "bmoe:")
+    yield _gauge("process_resident_bytes", "Resident memory (-1: unknown).", _rss_bytes(),
+                 "bmoe:")
 
 
 def _counter(name: str, doc: str, value: float, prefix: str = "llamacpp:") -> Metric:

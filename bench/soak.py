@@ -1,0 +1,459 @@
+"""A soak: many clients at once on two real servers (the tiny MoE streamed, and resident)
+for N minutes; requests by status, and the servers' memory, descriptors, threads, trio
+tasks and event-bus subscribers sampled every 10 s. Fails on a 5xx, a client that could
+not talk to a server, or growth after warm-up.
+
+    .venv/bin/python bench/soak.py --minutes 2 [--clients 8] [--json out.json]
+
+The clients (threads, each a loop of random actions, a fresh connection each time):
+streamed chats on the three protocols through the real SDKs (openai chat completions,
+anthropic messages, openai Responses), non-streamed chats, a stream dropped mid-answer
+(a client that disconnects), `POST /api/cancel` mid-stream, event streams
+(`GET /api/events`) and WebSockets (`GET /api/ws`) held for a random while, decide,
+`GET /api/models`, `GET /api/plan?cached=1`, config writes (`PUT /api/config`, top-k),
+and llama-server's `/completion`, `/tokenize`, `/props`. At most 12 turn clients and 4
+event streams per server, below the spec's limits (16 waiting turns, 8 streams), so a
+503 is a failure too.
+
+Growth: after the warm-up (a fifth of the run, at least 30 s) the clients pause, the
+server goes quiet and a *baseline* is sampled; at the end the clients stop, the server
+goes quiet again and the *final* sample must hold RSS within 5 % of the baseline, and
+descriptors, trio tasks, threads and subscribers no more than at the baseline. RSS,
+descriptors and threads are read from /proc/<pid> (the kernel's figures); trio tasks
+and subscribers from the server's `/metrics` (`bmoe:process_*`, counted at the scrape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import anthropic  # noqa: E402
+import openai  # noqa: E402
+
+from bmoe.modelmaker import make_model  # noqa: E402
+
+MOE = dict(n_layer=4, n_embd=128, n_expert=8, n_expert_used=4, n_ff_exp=64,
+           residual_scale=0.3)
+SAMPLE_S = 10.0
+RSS_GROWTH = 0.05
+PROMPTS = ["Hello there! What is the weather like in Paris today?",
+           "Write a short poem about the sea.", "List three colours.",
+           "Explain what a kettle does, in one sentence."]
+
+
+# -- the servers --------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, name: str, model: Path, data: Path, *args: str) -> None:
+        self.name = name
+        cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data),
+               "--no-auto", "--threads", "1", "--metrics", "-m", str(model), "-c", "4096",
+               *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log = open(data.parent / f"{name}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env, cwd=ROOT)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            raise SystemExit(f"{name}: bmoe-server did not start: {line!r}")
+        self.url = line.split("listening on", 1)[1].strip().rstrip("/")
+        self.host, port = self.url.split("//", 1)[1].rsplit(":", 1)
+        self.port = int(port)
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = self.get_json("/api/info").get("state")
+            if state == "ready":
+                return
+            if state == "error":
+                raise SystemExit(f"{name}: the model did not load: {self.get_json('/api/info')}")
+            time.sleep(0.1)
+        raise SystemExit(f"{name}: never ready")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for _ in self.proc.stdout:
+            pass
+
+    def get_json(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def sample(self) -> dict[str, Any]:
+        pid = self.proc.pid
+        status = Path(f"/proc/{pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        out: dict[str, Any] = {
+            "t": round(time.monotonic(), 1),
+            "rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
+            "threads": int(fields["Threads"]),
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        }
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("bmoe:process_trio_tasks "):
+                    out["trio_tasks"] = int(float(line.split()[1]))
+                elif line.startswith("bmoe:process_event_subscribers "):
+                    out["subscribers"] = int(float(line.split()[1]))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# -- the clients --------------------------------------------------------------------------
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.failures: list[str] = []
+
+    def add(self, server: str, action: str, outcome: str | int, detail: str = "") -> None:
+        with self.lock:
+            self.counts[f"{server} {outcome}"] += 1
+            self.counts[f"action {action}"] += 1
+            bad = ((isinstance(outcome, int) and outcome >= 500)
+                   or outcome in ("connection", "client_error", "stream_error"))
+            if bad and len(self.failures) < 50:
+                self.failures.append(f"{server} {action}: {outcome} {detail[:300]}")
+
+
+def _raw(srv: Server, method: str, path: str, body: Any = None,
+         timeout: float = 60) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(srv.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"}
+                                 if method != "GET" else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            payload, status = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        payload, status = e.read(), e.code
+    try:
+        return status, json.loads(payload) if payload else None
+    except ValueError:
+        return status, payload
+
+
+class Client(threading.Thread):
+    def __init__(self, srv: Server, tally: Tally, seed: int, stop: threading.Event,
+                 go: threading.Event, streams: threading.Semaphore) -> None:
+        super().__init__(daemon=True, name=f"soak-{srv.name}-{seed}")
+        self.srv, self.tally, self.rng = srv, tally, random.Random(seed)
+        self.stop_ev, self.go, self.streams = stop, go, streams
+        self.idle = threading.Event()
+
+    def run(self) -> None:
+        actions = [(self.chat_stream, 4), (self.chat_once, 2), (self.chat_dropped, 2),
+                   (self.chat_cancelled, 1), (self.messages_stream, 3),
+                   (self.responses_stream, 3), (self.events, 2), (self.websocket, 2),
+                   (self.decide, 1), (self.reads, 3), (self.config_write, 1),
+                   (self.llama_routes, 3)]
+        fns, weights = zip(*actions, strict=True)
+        while not self.stop_ev.is_set():
+            if not self.go.is_set():
+                self.idle.set()
+                self.go.wait(1.0)
+                continue
+            self.idle.clear()
+            fn = self.rng.choices(fns, weights)[0]
+            name = fn.__name__
+            try:
+                fn()
+            except (openai.APIConnectionError, anthropic.APIConnectionError,
+                    ConnectionError, socket.timeout, urllib.error.URLError) as e:
+                self.tally.add(self.srv.name, name, "connection", repr(e))
+            except (openai.APIStatusError, anthropic.APIStatusError) as e:
+                self.tally.add(self.srv.name, name, e.status_code, str(e))
+            except (openai.APIError, anthropic.APIError) as e:     # an error chunk mid-stream
+                self.tally.add(self.srv.name, name, "stream_error", str(e))
+            except Exception as e:  # noqa: BLE001 - a client's own fault is counted, not fatal
+                self.tally.add(self.srv.name, name, "client_error", repr(e))
+        self.idle.set()
+
+    def _prompt(self) -> str:
+        return self.rng.choice(PROMPTS)
+
+    def _oa(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.srv.url + "/v1", api_key="soak", max_retries=0,
+                             timeout=120)
+
+    def chat_stream(self) -> None:
+        with self._oa() as c:
+            stream = c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": self._prompt()}],
+                max_tokens=self.rng.randint(4, 40), stream=True)
+            for _ in stream:
+                pass
+        self.tally.add(self.srv.name, "chat_stream", 200)
+
+    def chat_once(self) -> None:
+        with self._oa() as c:
+            c.chat.completions.create(model="m", max_tokens=self.rng.randint(4, 24),
+                                      messages=[{"role": "user", "content": self._prompt()}])
+        self.tally.add(self.srv.name, "chat_once", 200)
+
+    def chat_dropped(self) -> None:
+        """A client that goes away mid-answer (closes its connection)."""
+        with self._oa() as c:
+            stream = c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": self._prompt()}],
+                max_tokens=200, stream=True)
+            for i, _ in enumerate(stream):
+                if i >= self.rng.randint(1, 6):
+                    break
+            stream.close()
+        self.tally.add(self.srv.name, "chat_dropped", 200)
+
+    def chat_cancelled(self) -> None:
+        with self._oa() as c:
+            stream = c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": self._prompt()}],
+                max_tokens=300, stream=True)
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    status, _ = _raw(self.srv, "POST", "/api/cancel", {})
+                    self.tally.add(self.srv.name, "cancel", status)
+        self.tally.add(self.srv.name, "chat_cancelled", 200)
+
+    def messages_stream(self) -> None:
+        with anthropic.Anthropic(base_url=self.srv.url, api_key="soak", max_retries=0,
+                                 timeout=120) as c:
+            with c.messages.stream(model="m", max_tokens=self.rng.randint(4, 40),
+                                   messages=[{"role": "user", "content": self._prompt()}]) as s:
+                for _ in s.text_stream:
+                    pass
+                s.get_final_message()
+        self.tally.add(self.srv.name, "messages_stream", 200)
+
+    def responses_stream(self) -> None:
+        with self._oa() as c:
+            with c.responses.stream(model="m", input=self._prompt(),
+                                    max_output_tokens=self.rng.randint(16, 40)) as s:
+                last = ""
+                for event in s:
+                    last = event.type
+        # an answer cut at max_output_tokens ends with response.incomplete (the protocol's)
+        ok = last in ("response.completed", "response.incomplete")
+        self.tally.add(self.srv.name, "responses_stream", 200 if ok else "stream_error",
+                       f"the stream ended with {last!r}")
+
+    def events(self) -> None:
+        if not self.streams.acquire(timeout=0.1):
+            return
+        try:
+            with socket.create_connection((self.srv.host, self.srv.port), timeout=30) as s:
+                s.sendall(f"GET /api/events HTTP/1.1\r\nHost: {self.srv.host}:{self.srv.port}"
+                          "\r\nAccept: text/event-stream\r\n\r\n".encode())
+                self._hold(s, "events")
+        finally:
+            self.streams.release()
+
+    def _hold(self, s: socket.socket, action: str) -> None:
+        """Read the answer's status line, then whatever comes for a random while."""
+        head = s.recv(4096).split(b"\r\n", 1)[0]
+        parts = head.split()
+        self.tally.add(self.srv.name, action, int(parts[1]) if len(parts) > 1 else "connection",
+                       repr(head))
+        end = time.monotonic() + self.rng.uniform(0.5, 4.0)
+        s.settimeout(0.5)
+        while time.monotonic() < end:
+            try:
+                if not s.recv(4096):
+                    break
+            except (socket.timeout, TimeoutError):
+                pass
+
+    def websocket(self) -> None:
+        if not self.streams.acquire(timeout=0.1):
+            return
+        try:
+            key = base64.b64encode(os.urandom(16)).decode()
+            with socket.create_connection((self.srv.host, self.srv.port), timeout=30) as s:
+                s.sendall((f"GET /api/ws HTTP/1.1\r\nHost: {self.srv.host}:{self.srv.port}\r\n"
+                           "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                           f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n")
+                          .encode())
+                self._hold(s, "websocket")
+                if self.rng.random() < 0.5:      # a clean close frame; else just gone
+                    mask = os.urandom(4)
+                    payload = (1000).to_bytes(2, "big")
+                    s.sendall(bytes([0x88, 0x80 | len(payload)]) + mask +
+                              bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        finally:
+            self.streams.release()
+
+    def decide(self) -> None:
+        status, _ = _raw(self.srv, "POST", "/api/decide", {
+            "prefix": "You are choosing the next action.\nTask: " + self._prompt(),
+            "suffix": "\nAnswer with the letter.", "choices": ["A", "B", "C"]})
+        self.tally.add(self.srv.name, "decide", status)
+
+    def reads(self) -> None:
+        for path in ("/api/models", "/api/plan?cached=1", "/api/info", "/api/config"):
+            status, _ = _raw(self.srv, "GET", path)
+            self.tally.add(self.srv.name, "reads", status)
+
+    def config_write(self) -> None:
+        status, _ = _raw(self.srv, "PUT", "/api/config",
+                         {"values": {"top-k": self.rng.randint(20, 60)}})
+        self.tally.add(self.srv.name, "config_write", status)
+
+    def llama_routes(self) -> None:
+        status, _ = _raw(self.srv, "POST", "/completion",
+                         {"prompt": self._prompt(), "n_predict": self.rng.randint(2, 12)})
+        self.tally.add(self.srv.name, "completion", status)
+        status, _ = _raw(self.srv, "POST", "/tokenize", {"content": self._prompt()})
+        self.tally.add(self.srv.name, "tokenize", status)
+        status, _ = _raw(self.srv, "GET", "/props")
+        self.tally.add(self.srv.name, "props", status)
+
+
+# -- the run --------------------------------------------------------------------------------
+
+def quiet(servers: list[Server], clients: list[Client], settle_s: float = 12.0
+          ) -> dict[str, dict[str, Any]]:
+    """Wait until every client is idle and the servers have let go of their turns, then
+    sample each server. `settle_s` is past trio's 10 s for an idle worker thread to end."""
+    deadline = time.monotonic() + 180
+    for c in clients:
+        while c.is_alive() and not c.idle.wait(0.5) and time.monotonic() < deadline:
+            pass
+    for srv in servers:
+        while time.monotonic() < deadline:
+            info = srv.get_json("/api/info")
+            if not info.get("generating") and not info.get("waiting"):
+                break
+            time.sleep(0.2)
+    time.sleep(settle_s)
+    return {srv.name: srv.sample() for srv in servers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=2.0)
+    ap.add_argument("--clients", type=int, default=8, help="client threads per server")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args(argv)
+    total = args.minutes * 60
+    warmup = min(300.0, max(30.0, total / 5))
+    work = Path(tempfile.mkdtemp(prefix="bmoe-soak-"))
+    model = make_model(work / "tiny-moe.gguf", **MOE)
+    (work / "streamed").mkdir()
+    (work / "resident").mkdir()
+    servers = [Server("streamed", model, work / "streamed" / "data", "--moe-stream",
+                      "--cache-mb", "2", "--io-threads", "2"),
+               Server("resident", model, work / "resident" / "data", "--no-moe-stream")]
+    tally, stop, go = Tally(), threading.Event(), threading.Event()
+    clients = [Client(srv, tally, 1000 * i + j, stop, go, threading.Semaphore(4))
+               for i, srv in enumerate(servers) for j in range(min(args.clients, 12))]
+    samples: list[dict[str, Any]] = []
+    start = {srv.name: srv.sample() for srv in servers}
+    t0 = time.monotonic()
+    try:
+        go.set()
+        for c in clients:
+            c.start()
+
+        def sample_until(t_end: float, phase: str) -> None:
+            next_at = time.monotonic()
+            while time.monotonic() < t_end:
+                if time.monotonic() >= next_at:
+                    for srv in servers:
+                        if srv.proc.poll() is not None:
+                            raise SystemExit(f"{srv.name}: the server process ended "
+                                             f"({srv.proc.returncode})")
+                        row = {"server": srv.name, "phase": phase,
+                               "at_s": round(time.monotonic() - t0), **srv.sample()}
+                        samples.append(row)
+                        print(json.dumps(row), flush=True)
+                    next_at += SAMPLE_S
+                time.sleep(0.2)
+
+        sample_until(t0 + warmup, "warm-up")
+        go.clear()
+        baseline = quiet(servers, clients)
+        print("baseline (quiet, after warm-up):", json.dumps(baseline), flush=True)
+        go.set()
+        sample_until(t0 + total, "run")
+        stop.set()
+        go.set()
+        final = quiet(servers, clients)
+        print("final (quiet, after the run):", json.dumps(final), flush=True)
+        for c in clients:
+            c.join(60)
+    finally:
+        stop.set()
+        go.set()
+        for srv in servers:
+            alive = srv.proc.poll() is None
+            srv.stop()
+            if not alive:
+                print(f"{srv.name}: the server process had ended", flush=True)
+
+    problems = list(tally.failures)
+    for srv in servers:
+        b, f = baseline[srv.name], final[srv.name]
+        if f["rss_mib"] > b["rss_mib"] * (1 + RSS_GROWTH):
+            problems.append(f"{srv.name}: RSS grew {b['rss_mib']} -> {f['rss_mib']} MiB "
+                            f"(more than {RSS_GROWTH:.0%})")
+        for key in ("fds", "trio_tasks", "subscribers", "threads"):
+            if f[key] > b[key]:
+                problems.append(f"{srv.name}: {key} {b[key]} after warm-up, {f[key]} at the end")
+    statuses = {k: v for k, v in sorted(tally.counts.items()) if not k.startswith("action ")}
+    actions = {k[7:]: v for k, v in sorted(tally.counts.items()) if k.startswith("action ")}
+    n5xx = sum(v for k, v in statuses.items() if k.split()[1].isdigit()
+               and int(k.split()[1]) >= 500)
+    report = {"minutes": args.minutes, "warmup_s": warmup, "clients_per_server": len(clients) // 2,
+              "requests_by_status": statuses, "actions": actions, "5xx": n5xx,
+              "start": start, "baseline": baseline, "final": final,
+              "rss_ratio": {s.name: round(final[s.name]["rss_mib"] /
+                                          baseline[s.name]["rss_mib"], 4) for s in servers},
+              "samples": samples, "problems": problems}
+    print("requests by status:", json.dumps(statuses))
+    print("actions:", json.dumps(actions))
+    for srv in servers:
+        print(f"{srv.name}: RSS {baseline[srv.name]['rss_mib']} -> {final[srv.name]['rss_mib']}"
+              f" MiB (ratio {report['rss_ratio'][srv.name]}), fds {baseline[srv.name]['fds']}"
+              f" -> {final[srv.name]['fds']}, trio tasks {baseline[srv.name]['trio_tasks']} -> "
+              f"{final[srv.name]['trio_tasks']}, threads {baseline[srv.name]['threads']} -> "
+              f"{final[srv.name]['threads']}, subscribers {baseline[srv.name]['subscribers']} "
+              f"-> {final[srv.name]['subscribers']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    if problems:
+        print("FAILED:\n  " + "\n  ".join(problems))
+        return 1
+    print("OK: 0 x 5xx, no growth after warm-up")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
