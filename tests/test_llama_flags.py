@@ -60,7 +60,7 @@ UTILS_FLAGS: dict[str, str | None] = {
     "--mcp-servers-json": "{}", "--backend_sampling": None,
 }
 # Refused by name, with the reason (a word of it): the rest start the server.
-REFUSED = {"--embedding": "embeddings", "--reranking": "embeddings", "--lora": "LoRA",
+REFUSED = {"--lora": "LoRA",
            "--grp-attn-n": "self-extend", "--grp-attn-w": "self-extend",
            "--models-preset": "router"}
 # The model's own flags: they name a file (each started with a real one below).
@@ -196,19 +196,20 @@ def test_variables_of_the_new_flags() -> None:
     values = params.values_from_namespace(args)
     assert values == {"batch-size": 64, "ubatch-size": 32, "flash-attn": "on",
                       "cache-type-k": "q8_0", "cache-type-v": "q8_0", "swa-full": True,
-                      "mmproj-auto": False}
+                      "mmproj-auto": False, "embedding": False}
     F, given = llama_flags.BY_LONG, llama_flags.given
     assert given(args, F["--alias"]) == ["a,b"] and given(args, F["--slots"]) is False
     assert given(args, F["--webui"]) is False and given(args, F["--parallel"]) == "2"
     assert given(args, F["--reasoning-format"]) == "none" and given(args, F["--jinja"])
-    assert given(args, F["--embeddings"]) is None        # a switch's variable: only when on
     text = "\n".join(lines)
     assert "LLAMA_ARG_ENDPOINT_SLOTS read as --no-slots." in text
     assert "LLAMA_ARG_N_GPU_LAYERS read as --n-gpu-layers 99." in text
     with pytest.raises(SystemExit, match="LLAMA_ARG_SWA_FULL='maybe' is neither on nor off"):
         env_argv([], {"LLAMA_ARG_SWA_FULL": "maybe"})
-    with pytest.raises(SystemExit, match="--embedding/--embeddings is refused"):
-        _parse(env_argv([], {"LLAMA_ARG_EMBEDDINGS": "1"})[0])
+    on, _ = _parse(env_argv([], {"LLAMA_ARG_EMBEDDINGS": "1", "LLAMA_ARG_POOLING": "mean"})[0])
+    assert params.values_from_namespace(on) == {"embedding": True, "pooling": "mean"}
+    rerank, _ = _parse(["--reranking"])         # --reranking stands for these two
+    assert params.values_from_namespace(rerank) == {"embedding": True, "pooling": "rank"}
 
 
 def test_a_flag_replaces_its_variable_in_any_spelling() -> None:
@@ -323,7 +324,8 @@ def test_the_whole_command_line_starts(everything: tuple[ServerProcess, str]) ->
     given = {a for a in ACCEPTED_LINE if a.startswith("-")} | set(FIXTURE_FLAGS)
     elsewhere = {"--port", "--threads",        # every test server's own
                  "--slots", "--no-jinja",      # test_reasoning_format_reaches_the_chat_route
-                 "--api-key"}                  # tests/test_llama_compat.py's keyed server
+                 "--api-key",                  # tests/test_llama_compat.py's keyed server
+                 "--embedding", "--reranking"}  # tests/test_embeddings.py's BERTs
     assert set(UTILS_FLAGS) - set(REFUSED) - set(MODEL_FLAGS) - elsewhere <= given
     lines = [line for line in err.splitlines() if line.startswith("bmoe-server: ")]
     assert any("this build runs on the CPU, so -ngl 99 has no effect." in line for line in lines)
@@ -423,10 +425,8 @@ def test_refused_combinations_say_why(tmp_path: Path, tiny_moe: Path, model32: P
     said = _refused(tmp_path / "b", "-m", str(model32),
                     env={"LLAMA_ARG_CACHE_TYPE_V": "q4_0", "LLAMA_ARG_FLASH_ATTN": "off"})
     assert "--cache-type-v q4_0 needs --flash-attn on or auto" in said, said
-    for flag, why in (("--embedding", "computes no embeddings"), ("--lora", "no LoRA")):
-        said = _refused(tmp_path / "c", "-m", str(model32), flag,
-                        *(["x.gguf"] if flag == "--lora" else []))
-        assert flag in said and "is refused" in said and why in said, said
+    said = _refused(tmp_path / "c", "-m", str(model32), "--lora", "x.gguf")
+    assert "--lora" in said and "is refused" in said and "no LoRA" in said, said
     # the model's heads (16) are no multiple of q8_0's block (32): llama.cpp's own reason
     srv, _ = _start(tmp_path / "d", "-m", str(tiny_moe), "-c", "256", "-ctk", "q8_0")
     try:

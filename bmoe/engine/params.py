@@ -456,6 +456,24 @@ def _rows() -> tuple[Param, ...]:
              "prompt prefix reusable, at the memory of a full cache for those layers; no "
              "effect on other models.",
              False, env="LLAMA_ARG_SWA_FULL"),
+        _row("embedding", "Embeddings only", "bool", "context", "advanced",
+             "Serves the model's embeddings (/v1/embeddings, /embedding) instead of chat.",
+             "For an embedding model (BERT, a text-embedding GGUF) or a reranker (with "
+             "Pooling rank: /rerank). The context computes vectors, not tokens, so the chat "
+             "routes answer 501 while it is on. A change takes effect at the next load.",
+             False, switches=(Switch("--no-embedding", False), Switch("--embeddings", True)),
+             env="LLAMA_ARG_EMBEDDINGS"),
+        _row("pooling", "Pooling", "choice", "context", "advanced",
+             "How a prompt's token vectors become its embedding.",
+             "auto takes the model's own (an embedding model says which); mean averages "
+             "them, cls takes the first token's, last the last one's, none returns one "
+             "vector per token (/embedding only), rank scores a query against a document "
+             "(a reranker's head). Only with Embeddings only on.",
+             AUTO, choices=(Named("auto", "the model's"), Named("none", "every token's"),
+                            Named("mean", "the mean"), Named("cls", "the first token's"),
+                            Named("last", "the last token's"),
+                            Named("rank", "a reranker's score")),
+             env="LLAMA_ARG_POOLING"),
         _row("force-cache", "Force cache size", "bool", "diagnostics", "debug",
              "Accepts an expert cache smaller than one token cycle.",
              "The engine refuses such a cache because it hits 0 % and is slower than "

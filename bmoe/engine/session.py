@@ -33,7 +33,7 @@ from .calibrate import Arm, Trial
 from . import families
 from .chatparse import detect_framing
 from .errors import Aborted, EngineError, LoadError, context_full
-from . import backend, builtin_templates, kernels, params, rpc
+from . import backend, builtin_templates, embed, kernels, params, rpc
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
 from .sampling import (Sampling, build_chain, chain_biases, post_sampling_logprobs,
@@ -168,6 +168,8 @@ class Session:
         self.vision: Vision | None = None
         self.trial: Trial | None = None       # the first answer's calibration (calibrate.py)
         self.rpc: Any = None                  # rpc.RpcDevices when helpers hold layers
+        self.embeddings = bool(values.get("embedding"))   # an embedding context (embed.py)
+        self.memory: Any = None
         try:
             self._open(streamer_factory)
         except BaseException:
@@ -244,6 +246,9 @@ class Session:
         cparams.n_threads = threads
         cparams.n_threads_batch = tb
         cparams.no_perf = True
+        if self.embeddings:
+            cparams.embeddings = True
+            cparams.pooling_type = embed.context_pooling(self.values)
 
         @lc.ggml_abort_callback
         def _abort(_data: ctypes.c_void_p) -> bool:
@@ -271,6 +276,11 @@ class Session:
         self.attention = asked.resolved(heard.lines)
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self.memory = lc.llama_get_memory(self.ctx)
+        if not self.memory and not self.embeddings:
+            # an encoder (BERT) keeps no KV cache and writes no tokens: decoding on it
+            # would abort the process
+            raise LoadError(f"{self.path.name} is an embedding model ({self.arch}): it "
+                            "writes no text. Load it with {embedding} on.")
         self.compute_threads = threads
         self._threads_batch = tb
         if self.streamer is not None:
@@ -386,6 +396,10 @@ class Session:
         return list(buf[:n])
 
     def token_bytes(self, token: int) -> bytes:
+        if not 0 <= token < self.n_vocab:
+            # llama.cpp indexes its vocabulary unchecked here (an exception through C:
+            # the process aborts); a vocabulary without EOS (BERT's) reports -1
+            return b""
         buf = ctypes.create_string_buffer(64)
         n = lc.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
         if n < 0:
@@ -513,6 +527,10 @@ class Session:
         """Bring the KV to `prompt` (all but nothing left to decode); returns (reused, seconds)."""
         t0 = time.monotonic()
         self._check_usable()
+        if self.embeddings:
+            raise EngineError("not_supported", "This server computes embeddings only (it was "
+                              "started with {embedding}): use /v1/embeddings, or load the "
+                              "model with {embedding} off to chat.")
         reused = self._reuse_prefix(prompt)
         self._abort_flag = cancel
         lc.llama_set_abort_callback(self.ctx, self._abort_ref, None)
@@ -694,12 +712,12 @@ class Session:
 
     def truncate_kv(self, n: int) -> None:
         """Forget every KV position from `n` on (a turn rolled back)."""
-        if n < len(self.kv_tokens) and self.usable:
+        if n < len(self.kv_tokens) and self.usable and self.memory:
             lc.llama_memory_seq_rm(self.memory, 0, n, -1)
             del self.kv_tokens[n:]
 
     def clear_kv(self) -> None:
-        if self.usable:
+        if self.usable and self.memory:
             lc.llama_memory_clear(self.memory, True)
         self.kv_tokens = []
 

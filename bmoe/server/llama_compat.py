@@ -35,7 +35,7 @@ from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
-from . import completions, gcp, llama_flags, metrics, openai_chat, shapes, wire
+from . import completions, embeddings, gcp, llama_flags, metrics, openai_chat, shapes, wire
 from .bridge import wait_future
 from .llama_options import attach, llama_options, options_from, slot_count  # noqa: F401
 from .shapes import engine_http_error
@@ -85,6 +85,7 @@ def register(table: RouteTable, state: ServerState) -> None:
     add("POST", "/api/show", ollama_show)
     add("POST", "/shutdown", shutdown, access=Access.LOCAL_ONLY)
     gcp.register(table)                 # Vertex AI's /predict, with AIP_MODE=PREDICTION
+    embeddings.register(table, state, on_engine)   # with --embedding / --reranking
 
 
 def not_supported(message: str) -> HTTPError:

@@ -72,9 +72,6 @@ NO_SPEC = ("speculative decoding is not built here, so {flags} {verb} no effect:
            "answers are the same, without a draft's speed-up.")
 NO_TOOLS = ("llama-server's built-in tools and MCP proxy are not served here, so {flags} "
             "{verb} no effect (bmoe's agent has its own tools: docs/agent.md).")
-NO_EMBEDDINGS = ("this server computes no embeddings: it has no /v1/embeddings or "
-                 "/rerank route, and a chat model cannot be turned into one. Start "
-                 "llama-server for an embedding model.")
 
 
 def _flags() -> tuple[LlamaFlag, ...]:
@@ -165,13 +162,8 @@ def _flags() -> tuple[LlamaFlag, ...]:
           env="LLAMA_ARG_BACKEND_SAMPLING",
           note="--backend-sampling: sampling runs on the CPU here."),
         # -- what this server does not compute -------------------------------------
-        F(("--embedding", "--embeddings"), "embedding-only server",
-          env="LLAMA_ARG_EMBEDDINGS", refuse=NO_EMBEDDINGS),
-        F(("--rerank", "--reranking"), "reranking route", env="LLAMA_ARG_RERANKING",
-          refuse=NO_EMBEDDINGS),
-        F(("--pooling",), "embeddings' pooling", env="LLAMA_ARG_POOLING",
-          metavar="TYPE",
-          note="--pooling {value}: no effect, this server computes no embeddings."),
+        F(("--rerank", "--reranking"), "serve /rerank: sets --embedding and --pooling "
+          "rank (for a reranker model)", env="LLAMA_ARG_RERANKING"),
         F(("--lora",), "a LoRA adapter", metavar="FILE",
           refuse="this engine applies no LoRA adapter, so the answers would be the base "
                  "model's, not the adapter's."),
@@ -326,6 +318,9 @@ def _carry(args: Any) -> list[str]:
             raise SystemExit(f"bmoe-server: --reasoning {reasoning!r} is not on, off or auto.")
         if think is not None and not hasattr(args, "think"):
             args.think = think
+    if given(args, BY_LONG["--reranking"]):
+        args.embedding = True
+        args.pooling = "rank"
     fmt = given(args, BY_LONG["--reasoning-format"])
     if fmt is not None:
         allowed = BY_LONG["--reasoning-format"].choices

@@ -65,7 +65,7 @@ def error_shaper(shape: str, err: HTTPError) -> Response | None:
 
 STATUS_OF = {"context_full": 400, "empty_prompt": 400, "template_rejected": 400,
              "needs_chat_mode": 400, "invalid_request": 400, "no_vision": 400,
-             "invalid_output": 500, "failed": 500}
+             "invalid_output": 500, "failed": 500, "not_supported": 501}
 
 
 def engine_http_error(e: EngineError) -> HTTPError:
