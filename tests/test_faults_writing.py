@@ -201,3 +201,73 @@ def test_a_full_or_read_only_data_folder_is_a_clear_error_and_the_server_serves_
         assert srv.proc.poll() is None
     finally:
         srv.stop()
+
+
+# -- kill -9 of the server during a download (the catalog entry and the .part) -------------
+
+
+def test_kill_9_of_the_server_mid_download_then_the_download_resumes_whole(
+        tmp_path: Path) -> None:
+    """The catalog entry a 201 acknowledged survives the kill; the `.part` the killed
+    server's curl was writing is resumed by the next server and the file ends whole
+    (the hub's SHA-256 checked, and compared byte for byte here)."""
+    from _hub import Hub
+    from _models_support import TINY, Events, models_server, stock_hub, wait_download
+    from bmoe.models.catalog import ADDED_FILE
+    (tmp_path / "hub").mkdir()
+    hub = Hub(tmp_path / "hub")
+    try:
+        info = stock_hub(hub, tmp_path / "hub")
+        size = info["moe"].stat().st_size
+        data = tmp_path / "data"
+        rng = random.Random(35)
+        eid = None
+        for trial in range(3):
+            hub.clear()
+            hub.fault(TINY, "tiny-moe-F32.gguf", rate=size // 4)      # ~4 s a file
+            srv = models_server(data, hub)
+            try:
+                if eid is None:
+                    status, _, body = srv.request("POST", "/api/hf/add",
+                                                  {"repo": TINY, "name": "tiny-moe-F32.gguf"})
+                    assert status == 201, body
+                    eid = body["id"]
+                status, _, body = srv.request("POST", "/api/models/download", {"id": eid})
+                assert status == 202, body
+                models = Path(srv.request("GET", "/api/models")[2]["models_dir"])
+                part = models / "tiny-moe-F32.gguf.part"
+                deadline = time.monotonic() + 30
+                while not (part.exists() and part.stat().st_size > 0):
+                    assert time.monotonic() < deadline, (trial, list(models.iterdir()), [
+                        c for c in srv.request("GET", "/api/models")[2]["catalog"]
+                        if c["id"] == eid])
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.1, 1.0))
+                os.kill(srv.proc.pid, signal.SIGKILL)
+                srv.proc.wait(10)
+                # nothing the killed server started goes on writing the part
+                at_kill = part.stat().st_size if part.exists() else -1
+                time.sleep(1.5)
+                assert part.exists() and part.stat().st_size == at_kill, (
+                    "the killed server's curl went on writing", at_kill,
+                    part.stat().st_size if part.exists() else "renamed")
+            finally:
+                srv.stop()
+            doc = json.loads((data / ADDED_FILE).read_text())        # whole, with the entry
+            assert [m["id"] for m in doc["models"]] == [eid], doc
+        hub.clear()
+        srv = models_server(data, hub)
+        try:
+            ev = Events(srv)
+            status, _, body = srv.request("POST", "/api/models/download", {"id": eid})
+            assert status == 202, body
+            done = wait_download(ev, eid)
+            ev.close()
+            assert done["state"] == "done", done
+            models = Path(srv.request("GET", "/api/models")[2]["models_dir"])
+            assert (models / "tiny-moe-F32.gguf").read_bytes() == info["moe"].read_bytes()
+            assert not list(models.glob("*.part"))
+        finally:
+            srv.stop()
+    finally:
+        hub.close()

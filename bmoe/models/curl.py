@@ -17,10 +17,13 @@ readers that resume: a download (``download.py``) and a header read (``hf.py``).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,9 +155,34 @@ async def _read_some(stream: trio.abc.ReceiveStream, limit: int) -> bytes:
     return bytes(buf)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_server(server_pid: int) -> None:
+    """In the forked child before curl starts (Linux): be killed when the server ends,
+    however it ends (kill -9 too), so no curl of a dead server goes on writing a `.part`
+    that the next server resumes."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != server_pid:       # the server ended before the prctl
+        os._exit(1)
+
+
+def child_setup() -> Callable[[], None] | None:
+    """`preexec_fn` for starting curl: it dies with the server (see `_die_with_server`)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    pid = os.getpid()
+    return lambda: _die_with_server(pid)
+
+
 async def _run(args: list[str], limit: int) -> tuple[int, bytes, bool]:
     """Run curl, reading at most ``limit`` bytes of stdout: (exit, output, cut short)."""
-    proc = await trio.lowlevel.open_process(args, stdout=-1, stderr=-3, stdin=-3)
+    proc = await trio.lowlevel.open_process(args, stdout=-1, stderr=-3, stdin=-3,
+                                            preexec_fn=child_setup())
     try:
         assert proc.stdout is not None
         out = await _read_some(proc.stdout, limit)

@@ -35,8 +35,8 @@ from typing import Any
 import trio
 
 from .catalog import CatalogFile, Entry
-from .curl import (MAX_ATTEMPTS, RANGE_REFUSED_EXIT, CurlConfig, CurlError, download_args,
-                   exit_words, retry_wait, should_retry, token_file)
+from .curl import (MAX_ATTEMPTS, RANGE_REFUSED_EXIT, CurlConfig, CurlError, child_setup,
+                   download_args, exit_words, retry_wait, should_retry, token_file)
 
 log = logging.getLogger("bmoe.models")
 
@@ -221,7 +221,8 @@ class Job:
                 nursery.start_soon(self._watch, part)
                 result = await trio.run_process(args, check=False, capture_stdout=True,
                                                 stderr=subprocess.DEVNULL,
-                                                stdin=subprocess.DEVNULL)
+                                                stdin=subprocess.DEVNULL,
+                                                preexec_fn=child_setup())
                 nursery.cancel_scope.cancel()
         out = result.stdout.decode("latin-1").strip()
         return result.returncode, int(out) if out.isdigit() else 0
