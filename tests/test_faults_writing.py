@@ -47,7 +47,13 @@ def run_and_kill(kind: str, folder: Path, rng: random.Random) -> int | None:
     assert first.startswith("ack "), (first, proc.stderr.read() if proc.stderr else "")
     time.sleep(rng.uniform(0.0, 0.12))
     os.kill(proc.pid, signal.SIGKILL)
-    rest, _ = proc.communicate()
+    proc.wait()
+    # read through the same buffered reader as readline (communicate() would read the
+    # descriptor underneath it and miss the acks readline had already buffered)
+    rest = proc.stdout.read()
+    proc.stdout.close()
+    if proc.stderr is not None:
+        proc.stderr.close()
     acks = [int(line.split()[1]) for line in (first + rest).splitlines()
             if line.startswith("ack ")]
     assert proc.returncode == -signal.SIGKILL, proc.returncode
