@@ -437,8 +437,9 @@ def test_access_refusals_take_the_messages_shape(keyed_server: ServerProcess) ->
 @pytest.mark.parametrize("body,why", [
     ({"messages": user("x"), "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "server tool"),
-    ({"messages": [*user("x"), {"role": "assistant", "content": "The answer is"}]},
-     "prefilled assistant"),
+    ({"messages": [*user("x"), {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}]},
+     "an assistant's tool call last, without its result"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "url", "url": "https://example.com/a.png"}}]}]}, "image by URL"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {
@@ -462,6 +463,30 @@ def test_bad_requests_are_typed_bad_request_errors(server: ServerProcess, body: 
         c.post("/v1/messages", cast_to=object, body={"model": "x", "max_tokens": 4, **body})
     assert info.value.body["error"]["type"] == "invalid_request_error", why  # type: ignore[index]
     assert info.value.body["error"]["message"], why  # type: ignore[index]
+
+
+def test_a_prefill_is_the_answer_begun(server: ServerProcess) -> None:
+    """An assistant message last is the beginning of the answer, as Anthropic's API reads
+    it: the prompt is the conversation before it, its generation prompt, then its text (no
+    end of turn); the answer goes on from there (its text is not repeated)."""
+    c = client(server)
+    plain = c.messages.create(model="x", max_tokens=1, messages=user("Say something."),
+                              thinking=NO_THINK)
+    begun = c.messages.create(model="x", max_tokens=3, thinking=NO_THINK, messages=[
+        *user("Say something."), {"role": "assistant", "content": "The answer is"}])
+    status, _, prompt = server.request("POST", "/apply-template", {"think": False, "messages": [
+        {"role": "user", "content": "Say something."},
+        {"role": "assistant", "content": "The answer is"}]})
+    assert status == 200 and prompt["prompt"].endswith("The answer is"), prompt
+    n = len(server.request("POST", "/tokenize", {"content": prompt["prompt"],
+                                                 "add_special": True})[2]["tokens"])
+
+    def read(u: Any) -> int:
+        return int(u.input_tokens + (u.cache_read_input_tokens or 0))
+
+    assert read(begun.usage) == n > read(plain.usage)
+    assert begun.stop_reason in ("max_tokens", "end_turn")
+    assert not begun.content or not begun.content[0].text.startswith("The answer is")
 
 
 def test_a_body_that_is_not_json_is_refused_in_the_messages_shape(server: ServerProcess) -> None:

@@ -388,3 +388,36 @@ def test_completion_streams_a_chunk_per_token(srv: ServerProcess) -> None:
     assert all(len(c["completion_probabilities"]) == 1 for c in tokens)
     whole = _complete(srv, prompt="Once upon a time", n_predict=12, temperature=0)
     assert "".join(c["content"] for c in chunks) == whole["content"]
+
+
+def test_an_assistant_message_last_is_continued(srv: ServerProcess) -> None:
+    """llama-server's prefill: the prompt is the history, its generation prompt and the
+    begun answer's text; continue_final_message names it (with add_generation_prompt
+    false); the refusals are llama-server's."""
+    history = [{"role": "user", "content": "What is the best book"}]
+
+    def prompt(body: dict[str, Any]) -> tuple[int, Any]:
+        status, _, out = srv.request("POST", "/apply-template", body)
+        return status, out
+
+    base = prompt({"messages": history})[1]["prompt"]
+    assert prompt({"messages": [*history, {"role": "assistant", "content": "Whill"}]}) == \
+        (200, {"prompt": base + "Whill"})
+    parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+    assert prompt({"messages": [*history, {"role": "assistant", "content": parts}]})[1] == \
+        {"prompt": base + "Wh\n\nill"}
+    named = {"messages": [*history, {"role": "assistant", "content": "Whill"}],
+             "continue_final_message": True, "add_generation_prompt": False}
+    assert prompt(named)[1] == {"prompt": base + "Whill"}
+    for bad, why in (({**named, "add_generation_prompt": True}, "Cannot set both"),
+                     ({"messages": [*history, {"role": "assistant", "content": "a"},
+                                    {"role": "assistant", "content": "b"}]}, "2 or more"),
+                     ({"messages": [*history, {"role": "assistant", "content": "", "tool_calls": [
+                         {"id": "c1", "type": "function",
+                          "function": {"name": "f", "arguments": "{}"}}]}]}, "tool calls")):
+        status, out = prompt(bad)
+        assert status == 400 and why in out["error"]["message"], out
+    status, _, body = srv.request("POST", "/v1/chat/completions", {
+        "messages": [*history, {"role": "assistant", "content": "Whill"}], "max_tokens": 3})
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(srv.request(
+        "POST", "/tokenize", {"content": base + "Whill", "add_special": True})[2]["tokens"])

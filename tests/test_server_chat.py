@@ -149,8 +149,10 @@ def test_stream_disconnect_stops_its_generation(server: Any) -> None:
      "string budget"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": {}}).encode(),
      "tools an object"),
-    (json.dumps({"messages": [{"role": "assistant", "content": "x"}]}).encode(),
-     "ends with the assistant"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"},
+                              {"role": "assistant", "content": "x"},
+                              {"role": "assistant", "content": "y"}]}).encode(),
+     "ends with two assistant messages (one is a prefill, two are ambiguous)"),
 ])
 def test_bad_bodies_are_400_invalid_request(server: Any, raw: bytes, why: str) -> None:
     status, body = _post_raw(server, "/v1/chat/completions", raw)

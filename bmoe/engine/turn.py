@@ -57,6 +57,9 @@ class TurnRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # llama-server's `return_progress`: the prefill's progress is emitted as it goes
     progress: bool = False
+    # the last message is the assistant's answer begun (a prefill): the answer goes on
+    # from its text (llama-server's continue_final_message, Anthropic's prefill)
+    continue_final: bool = False
 
     def conflict(self) -> str | None:
         """Why these choices cannot hold together (a sentence), or None."""
@@ -127,14 +130,31 @@ def prepare(session: Session, req: TurnRequest) -> Prepared:
 def render_prompt(session: Session, req: TurnRequest) -> str:
     """The conversation through the model's template as its family reads it (the prompt a
     turn generates from, and what /apply-template shows)."""
-    messages = families.template_messages(session.tool_framing, req.messages)
+    begun = req.messages[-1] if req.continue_final and req.messages and \
+        req.messages[-1].get("role") == "assistant" else None
+    history = req.messages[:-1] if begun is not None else req.messages
+    messages = families.template_messages(session.tool_framing, history)
     think, variables = template_variables(session, req)
     try:
         text = session.render(messages, tools=req.offered_tools(), enable_thinking=think,
                               extra=variables or None)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e
-    return families.finish_prompt(session.tool_framing, text)
+    text = families.finish_prompt(session.tool_framing, text)
+    return text + _continued(begun, text) if begun is not None else text
+
+
+def _continued(begun: dict[str, Any], prompt: str) -> str:
+    """What a begun answer adds after the generation prompt, as llama-server writes it:
+    its reasoning inside a reasoning span the prompt leaves open (closed when text
+    follows), then its text (content parts joined by a blank line)."""
+    content = begun.get("content") or ""
+    if isinstance(content, list):
+        content = "\n\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    reasoning = str(begun.get("reasoning_content") or "")
+    if ends_inside_think(prompt):
+        return reasoning + (THINK_CLOSE + "\n\n" + content if content else "")
+    return str(content)
 
 
 def template_variables(session: Session, req: TurnRequest) -> tuple[bool, dict[str, Any]]:

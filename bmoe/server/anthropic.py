@@ -155,9 +155,10 @@ def convert_messages(body: wire.MessagesBody) -> tuple[list[dict[str, Any]], Ima
         else:
             out.append(_assistant_message(msg.content))
     out = chatreq.system_first(out)
-    if out[-1]["role"] not in ("user", "tool"):
-        raise invalid_request("The last message must be from the user or carry tool results: "
-                              "the engine does not continue a prefilled assistant answer.")
+    if out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+        raise invalid_request("The last message is the assistant's with tool calls: send "
+                              "their results in a user message, or end with the answer's "
+                              "beginning as text (a prefill the answer goes on from).")
     return out, images
 
 
@@ -193,7 +194,8 @@ def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ImageSet]
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=chatreq.budget(parsed.max_tokens, "max_tokens", config.values),
                       think=chatreq.thinking(config.values, config.user_keys, think=think),
-                      schema=_output_schema(parsed.output_config), images=images)
+                      schema=_output_schema(parsed.output_config), images=images,
+                      continue_final=messages[-1]["role"] == "assistant")   # a prefill
     return chatreq.checked(req, "(`tool_choice` \"any\" or \"tool\")"), images
 
 

@@ -89,10 +89,32 @@ def convert_messages(messages: list[wire.ChatMessage]) -> tuple[list[dict[str, A
         if role == "tool":
             m["tool_call_id"] = msg.tool_call_id or ""
         out.append(m)
-    if out[-1]["role"] not in ("user", "tool"):
-        raise invalid_request("The last message must be from the user or a tool: the engine "
-                              "does not continue an assistant answer.")
     return out, images
+
+
+def continuation(parsed: wire.ChatBody, messages: list[dict[str, Any]]) -> bool:
+    """Whether the answer goes on from the last message, as llama-server decides it: an
+    assistant message last is the answer begun (a prefill) unless the request says
+    otherwise; `continue_final_message` asks for it by name, and then
+    `add_generation_prompt` must be false."""
+    asked = parsed.continue_final_message in (True, "content", "reasoning_content")
+    last = messages[-1]
+    if asked and parsed.add_generation_prompt is not False:
+        raise invalid_request("Cannot set both add_generation_prompt and "
+                              "continue_final_message to true: send add_generation_prompt "
+                              "false to continue the last message.")
+    begun = last["role"] == "assistant" and (asked or parsed.continue_final_message is None)
+    if begun and not asked and len(messages) >= 2 and messages[-2]["role"] == "assistant":
+        raise invalid_request("Cannot have 2 or more assistant messages at the end of the "
+                              "list: join them, or end with the user's message.")
+    if begun and last.get("tool_calls"):
+        raise invalid_request("Cannot continue an assistant message that contains tool "
+                              "calls: send their results as tool messages.")
+    raw = parsed.messages[-1].content
+    if begun and isinstance(raw, list):
+        # the begun answer's text parts, as llama-server continues them: a blank line apart
+        last["content"] = "\n\n".join(str(getattr(p, "text", "") or "") for p in raw)
+    return begun
 
 
 def convert_tools(raw: list[wire.ChatTool] | None) -> list[dict[str, Any]] | None:
@@ -124,7 +146,8 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                       grammar=parsed.grammar or None,
                       parallel_calls=bool(parsed.parallel_tool_calls), images=images,
                       template_kwargs={**kwargs, **families.effort_kwargs(parsed.reasoning_effort)},
-                      progress=bool(parsed.return_progress))
+                      progress=bool(parsed.return_progress),
+                      continue_final=continuation(parsed, messages))
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 

@@ -393,6 +393,8 @@ class ChatBody(Wire):
     top_logprobs: Annotated[Any, Integer(0, TOP_LOGPROBS_MAX)] = None
     return_progress: StrictBool | None = None       # llama-server's: the prefill's progress
     timings_per_token: StrictBool | None = None     # ... and its timings on the stream
+    add_generation_prompt: StrictBool | None = None             # llama-server's and vLLM's:
+    continue_final_message: StrictBool | StrictStr | None = None  # an answer continued
 
 
 # -- Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) --------------------------
