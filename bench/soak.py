@@ -12,7 +12,7 @@ anthropic messages, openai Responses), non-streamed chats, a stream dropped mid-
 (`GET /api/events`) and WebSockets (`GET /api/ws`) held for a random while, decide,
 `GET /api/models`, `GET /api/plan?cached=1`, config writes (`PUT /api/config`, top-k),
 and llama-server's `/completion`, `/tokenize`, `/props`. At most 12 turn clients and 4
-event streams per server, below the spec's limits (16 waiting turns, 8 streams), so a
+live event streams per server, below the spec's limits (16 waiting turns, 8 streams), so a
 503 is a failure too.
 
 Growth: after the warm-up (a fifth of the run, at least 30 s) the clients pause, the
@@ -372,7 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                       "--cache-mb", "2", "--io-threads", "2"),
                Server("resident", model, work / "resident" / "data", "--no-moe-stream")]
     tally, stop, go = Tally(), threading.Event(), threading.Event()
-    clients = [Client(srv, tally, 1000 * i + j, stop, go, threading.Semaphore(4))
+    # at most 4 live event streams / WebSockets per server (shared by its clients), under
+    # the spec's 8
+    streams = {srv.name: threading.Semaphore(4) for srv in servers}
+    clients = [Client(srv, tally, 1000 * i + j, stop, go, streams[srv.name])
                for i, srv in enumerate(servers) for j in range(min(args.clients, 12))]
     samples: list[dict[str, Any]] = []
     start = {srv.name: srv.sample() for srv in servers}
