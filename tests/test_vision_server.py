@@ -54,12 +54,16 @@ def test_the_server_says_it_reads_images(vision_server: ServerProcess) -> None:
     assert model["vision"] is True and model["projector"] == "mmproj-bmoe-vision-test.gguf"
     _, _, models = vision_server.request("GET", "/v1/models")
     assert models["data"][0]["modalities"] == ["text", "image"]
+    for path in ("/v1/models", "/models"):           # llama-server's list says it too
+        listed = vision_server.request("GET", path)[2]["models"]
+        assert listed[0]["capabilities"] == ["completion", "multimodal"], listed
 
 
 def test_text_only_server_refuses_images_with_no_vision(server: ServerProcess) -> None:
     assert server.info()["model"]["vision"] is False
     _, _, models = server.request("GET", "/v1/models")
     assert models["data"][0]["modalities"] == ["text"]
+    assert models["models"][0]["capabilities"] == ["completion"]
     status, out = chat(server, parts("look", RED))
     assert status == 400 and out["code"] == "no_vision"
 

@@ -282,13 +282,27 @@ def _entry(state: ServerState) -> dict[str, Any] | None:
         return None
     return {"id": info["id"], "aliases": list(state.model_aliases),
             "tags": list(state.model_tags), "object": "model", "owned_by": "local",
-            "created": 0, "meta": {"n_ctx": info["n_ctx"], "n_vocab": state.session.n_vocab
-                                   if state.session is not None else 0}}
+            "created": 0, "modalities": ["text", "image"] if info["vision"] else ["text"],
+            "meta": {"n_ctx": info["n_ctx"], "n_vocab": state.session.n_vocab
+                     if state.session is not None else 0}}
 
 
 async def models(state: ServerState, request: Request) -> Response:
+    """`/v1/models` and `/models`: OpenAI's list (`data`) and, as llama-server adds it,
+    the Ollama-style `models` list whose `capabilities` say `multimodal` for a model
+    that reads images."""
     entry = _entry(state)
-    return Response.json({"object": "list", "data": [entry] if entry else []})
+    listed = []
+    if entry is not None:
+        vision = "image" in entry["modalities"]
+        listed.append({"name": entry["id"], "model": entry["id"], "modified_at": "",
+                       "size": "", "digest": "", "type": "model", "description": "",
+                       "tags": entry["tags"] or [""],
+                       "capabilities": ["completion", *(["multimodal"] if vision else [])],
+                       "parameters": "",
+                       "details": _details(state.session) if state.session is not None
+                       else {}})
+    return Response.json({"models": listed, "object": "list", "data": [entry] if entry else []})
 
 
 def _find(state: ServerState, name: str) -> dict[str, Any]:

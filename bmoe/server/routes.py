@@ -47,7 +47,7 @@ def build_routes(state: ServerState) -> RouteTable:
     add("GET", "/api/events", events, limiter=streams, limiter_error=streams_full)
     add("GET", "/api/ws", ws.handle, limiter=streams, limiter_error=streams_full)
     add("POST", "/api/decide", decide.handle, model=True)
-    add("GET", "/v1/models", models)
+    add("GET", "/v1/models", llama_compat.models)   # one list: OpenAI's and llama-server's
     add("POST", "/v1/chat/completions", openai_chat.handle, model=True,
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
     add("POST", "/v1/messages", anthropic.handle, shape=shapes.ANTHROPIC, model=True,
@@ -114,17 +114,6 @@ async def session_unload(state: ServerState, request: Request) -> Response:
 async def cancel(state: ServerState, request: Request) -> Response:
     wire.parse(wire.EmptyBody, request.json_object())
     return Response.json({"cancelled": state.cancel_current()})
-
-
-async def models(state: ServerState, request: Request) -> Response:
-    data = []
-    info = state.model_info()
-    if info is not None:
-        data.append({"id": info["id"], "aliases": list(state.model_aliases),
-                     "tags": list(state.model_tags), "object": "model", "owned_by": "local",
-                     "created": 0, "modalities": ["text", "image"] if info["vision"]
-                     else ["text"]})
-    return Response.json({"object": "list", "data": data})
 
 
 # -- parameters and config ----------------------------------------------------------
