@@ -29,7 +29,7 @@ EXPECTED_ROWS = [
     "prefetch", "spec-gate", "overlap", "cache-mb", "cache-policy",
     "cache-fill", "cache-floor-mb", "cache-ceil-mb", "dense-weights", "repack", "rpc",
     "rpc-layers", "batch-size", "ubatch-size", "flash-attn", "cache-type-k", "cache-type-v",
-    "swa-full", "force-cache", "load-all", "decide"]
+    "swa-full", "embedding", "pooling", "force-cache", "load-all", "decide"]
 
 
 def parser(server: bool = False) -> argparse.ArgumentParser:
