@@ -65,7 +65,7 @@ def test_chat_stream_bytes() -> None:
     chunks = [data for _, data in events[1:-1]]
     assert all(c["model"] == "tiny.gguf" and c["created"] == 7 for c in chunks)
     deltas = [c["choices"][0]["delta"] if c["choices"] else None for c in chunks]
-    assert deltas[:3] == [{"role": "assistant", "content": ""}, {"reasoning_content": "hm"},
+    assert deltas[:3] == [{"role": "assistant", "content": None}, {"reasoning_content": "hm"},
                           {"content": "Hi"}]
     assert chunks[3]["bmoe"] == {"reset": True} and deltas[3]["content"] == "Hi!"
     assert deltas[4]["tool_calls"][0]["id"] == "call_1"

@@ -255,7 +255,7 @@ class ChatEncoder:
                 return sse_comment("ping")
             case Started(model=model):
                 self.model = model
-                return self.chunk({"role": "assistant", "content": ""})
+                return self.chunk({"role": "assistant", "content": None})   # as llama-server
             case RawTokens():
                 self._take_probs(ev)
                 return b""
