@@ -421,3 +421,17 @@ def test_an_assistant_message_last_is_continued(srv: ServerProcess) -> None:
         "messages": [*history, {"role": "assistant", "content": "Whill"}], "max_tokens": 3})
     assert status == 200 and body["usage"]["prompt_tokens"] == len(srv.request(
         "POST", "/tokenize", {"content": base + "Whill", "add_special": True})[2]["tokens"])
+
+
+def test_a_verbose_server_answers_the_prompt_read_unasked(tmp_path: Path, tiny_moe: Path) -> None:
+    """llama-server's --verbose puts __verbose in every chat answer (its suite's debug
+    runs read the prompt from there)."""
+    srv = start_server(tmp_path, "-m", str(tiny_moe), "-c", "512", "--verbose")
+    try:
+        status, _, body = srv.request("POST", "/chat/completions",
+                                      {"messages": MESSAGES, "max_tokens": 2})
+        assert status == 200 and "__verbose" in body, body
+        rendered = srv.request("POST", "/apply-template", {"messages": MESSAGES})[2]
+        assert body["__verbose"]["prompt"] == rendered["prompt"]
+    finally:
+        srv.stop()

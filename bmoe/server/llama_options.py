@@ -22,6 +22,7 @@ class LlamaOptions:
     ui: bool = True
     reasoning_format: str = "auto"
     parallel: int = 1                  # as asked; one turn runs at a time whatever it is
+    verbose: bool = False              # --verbose: every chat answer carries __verbose
 
 
 def options_from(args: Any) -> LlamaOptions:
@@ -37,7 +38,8 @@ def options_from(args: Any) -> LlamaOptions:
         metrics=bool(getattr(args, "metrics", False)),
         ui=given(args, F["--webui"]) is not False,
         reasoning_format=given(args, F["--reasoning-format"]) or "auto",
-        parallel=int(parallel) if parallel is not None else 1)
+        parallel=int(parallel) if parallel is not None else 1,
+        verbose=bool(given(args, F["--log-verbose"])))
 
 
 def attach(state: Any, args: Any) -> None:

@@ -18,6 +18,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
 from . import chatreq, choices, turnservice, wire
+from .llama_options import llama_options
 from .imageparts import image_part, read_images
 from .shapes import engine_http_error
 from .state import ServerState
@@ -331,7 +332,7 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     top = read_logprobs(body)
     flags = {"show_progress": bool(body.get("return_progress")),      # (types checked)
              "with_timings": bool(body.get("timings_per_token")),
-             "verbose": body.get("verbose") is True}
+             "verbose": body.get("verbose") is True or llama_options(state).verbose}
     if n > 1 or top is not None:
         return await serve_choices(state, req, n, include_usage, bool(body.get("stream")),
                                    top, flags)
