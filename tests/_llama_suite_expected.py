@@ -30,7 +30,7 @@ BASELINE_PASSED: frozenset[str] = frozenset({
     'unit/test_chat_completion.py::test_chat_completions_multiple_choices',
     'unit/test_chat_completion.py::test_chat_completions_token_count',
     'unit/test_chat_completion.py::test_chat_template_assistant_prefill[Whill-Whill]',
-    'unit/test_chat_completion.py::test_chat_template_assistant_prefill[prefill1-Wh\\\\n\\\\nill]',
+    'unit/test_chat_completion.py::test_chat_template_assistant_prefill[prefill1-Wh\\n\\nill]',
     'unit/test_chat_completion.py::test_chat_template_continue_final_message_mutual_exclusion',
     'unit/test_chat_completion.py::test_chat_template_continue_final_message_vllm_compat',
     'unit/test_chat_completion.py::test_completion_with_grammar[False-root ::= "a"{5,5}-6-a{5,5}]',
@@ -40,7 +40,7 @@ BASELINE_PASSED: frozenset[str] = frozenset({
     'unit/test_chat_completion.py::test_completion_with_response_format[response_format0-6-"42"]',
     'unit/test_chat_completion.py::test_completion_with_response_format[response_format1-10-[ -3000 ]]',
     'unit/test_chat_completion.py::test_completion_with_response_format[response_format2-10-"foooooo"]',
-    'unit/test_chat_completion.py::test_completion_with_response_format[response_format3-10-(\\\\\\\\{|John)+]',
+    'unit/test_chat_completion.py::test_completion_with_response_format[response_format3-10-(\\\\{|John)+]',
     'unit/test_chat_completion.py::test_completion_with_response_format[response_format4-0-None]',
     'unit/test_chat_completion.py::test_completion_with_response_format[response_format5-0-None]',
     'unit/test_chat_completion.py::test_completion_with_response_format[response_format6-0-None]',
@@ -240,57 +240,57 @@ BASELINE_PASSED: frozenset[str] = frozenset({
     'unit/test_sleep.py::test_server_sleep_read_only_endpoints',
     'unit/test_sleep.py::test_server_sleep_token_counting_wake',
     'unit/test_slot_save.py::test_slot_save_restore_text_only_on_multimodal',
-    'unit/test_template.py::test_add_generation_prompt[meta-llama-Llama-3.3-70B-Instruct-<|start_header_id|>assistant<|end_header_id|>-False]',
-    'unit/test_template.py::test_add_generation_prompt[meta-llama-Llama-3.3-70B-Instruct-<|start_header_id|>assistant<|end_header_id|>-True]',
+    'unit/test_template.py::test_add_generation_prompt[meta-llama-Llama-3.3-70B-Instruct-<|start_header_id|>assistant<|end_header_id|>-False]',  # noqa: E501
+    'unit/test_template.py::test_add_generation_prompt[meta-llama-Llama-3.3-70B-Instruct-<|start_header_id|>assistant<|end_header_id|>-True]',  # noqa: E501
     'unit/test_template.py::test_date_inside_prompt[fireworks-ai-llama-3-firefunction-v2-%b %d %Y-None]',
     'unit/test_template.py::test_date_inside_prompt[fireworks-ai-llama-3-firefunction-v2-%b %d %Y-tools1]',
     'unit/test_template.py::test_date_inside_prompt[fireworks-ai-llama-3-firefunction-v2-%b %d %Y-tools2]',
     'unit/test_template.py::test_date_inside_prompt[meta-llama-Llama-3.3-70B-Instruct-%d %b %Y-None]',
     'unit/test_template.py::test_date_inside_prompt[meta-llama-Llama-3.3-70B-Instruct-%d %b %Y-tools1]',
     'unit/test_template.py::test_date_inside_prompt[meta-llama-Llama-3.3-70B-Instruct-%d %b %Y-tools2]',
-    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-auto-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>-None]',
-    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-auto-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>-tools1]',
-    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-auto-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>-tools2]',
-    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-off-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>-None]',
-    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-off-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>-tools1]',
-    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-off-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>-tools2]',
-    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-auto-<|im_start|>assistant\\\\n<think>\\\\n-None]',
-    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-auto-<|im_start|>assistant\\\\n<think>\\\\n-tools1]',
-    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-auto-<|im_start|>assistant\\\\n<think>\\\\n-tools2]',
-    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-off-<|im_start|>assistant\\\\n<think>\\\\n</think>-None]',
-    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-off-<|im_start|>assistant\\\\n<think>\\\\n</think>-tools1]',
-    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-off-<|im_start|>assistant\\\\n<think>\\\\n</think>-tools2]',
-    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-auto-<|im_start|>assistant\\\\n-None]',
-    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-auto-<|im_start|>assistant\\\\n-tools1]',
-    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-auto-<|im_start|>assistant\\\\n-tools2]',
-    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-off-<|im_start|>assistant\\\\n<think>\\\\n\\\\n</think>\\\\n\\\\n-None]',
-    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-off-<|im_start|>assistant\\\\n<think>\\\\n\\\\n</think>\\\\n\\\\n-tools1]',
-    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-off-<|im_start|>assistant\\\\n<think>\\\\n\\\\n</think>\\\\n\\\\n-tools2]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-auto-<think>\\\\n-None]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-auto-<think>\\\\n-tools1]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-auto-<think>\\\\n-tools2]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-off-<think>\\\\n</think>-None]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-off-<think>\\\\n</think>-tools1]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-off-<think>\\\\n</think>-tools2]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-on-<think>\\\\n-None]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-on-<think>\\\\n-tools1]',
-    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-on-<think>\\\\n-tools2]',
+    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-auto-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>-None]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-auto-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>-tools1]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-auto-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>-tools2]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-off-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>-None]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-off-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>-tools1]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[CohereForAI-c4ai-command-r7b-12-2024-tool_use-off-<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>-tools2]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-auto-<|im_start|>assistant\\n<think>\\n-None]',
+    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-auto-<|im_start|>assistant\\n<think>\\n-tools1]',
+    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-auto-<|im_start|>assistant\\n<think>\\n-tools2]',
+    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-off-<|im_start|>assistant\\n<think>\\n</think>-None]',
+    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-off-<|im_start|>assistant\\n<think>\\n</think>-tools1]',
+    'unit/test_template.py::test_reasoning[Qwen-QwQ-32B-off-<|im_start|>assistant\\n<think>\\n</think>-tools2]',
+    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-auto-<|im_start|>assistant\\n-None]',
+    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-auto-<|im_start|>assistant\\n-tools1]',
+    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-auto-<|im_start|>assistant\\n-tools2]',
+    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-off-<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n-None]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-off-<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n-tools1]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[Qwen-Qwen3-0.6B-off-<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n-tools2]',  # noqa: E501
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-auto-<think>\\n-None]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-auto-<think>\\n-tools1]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-auto-<think>\\n-tools2]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-off-<think>\\n</think>-None]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-off-<think>\\n</think>-tools1]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-off-<think>\\n</think>-tools2]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-on-<think>\\n-None]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-on-<think>\\n-tools1]',
+    'unit/test_template.py::test_reasoning[deepseek-ai-DeepSeek-R1-Distill-Qwen-32B-on-<think>\\n-tools2]',
     'unit/test_tokenize.py::test_tokenize_detokenize',
     'unit/test_tokenize.py::test_tokenize_with_pieces',
-    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools0-None-CompletionMode.NORMAL]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools0-None-CompletionMode.STREAMED]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools2-none-CompletionMode.NORMAL]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools2-none-CompletionMode.STREAMED]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools3-None-CompletionMode.NORMAL]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools3-None-CompletionMode.STREAMED]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools4-None-CompletionMode.NORMAL]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools4-None-CompletionMode.STREAMED]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools5-none-CompletionMode.NORMAL]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools5-none-CompletionMode.STREAMED]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools6-None-CompletionMode.NORMAL]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools6-None-CompletionMode.STREAMED]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools8-none-CompletionMode.NORMAL]',
-    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools8-none-CompletionMode.STREAMED]',
+    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools0-None-CompletionMode.NORMAL]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools0-None-CompletionMode.STREAMED]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools2-none-CompletionMode.NORMAL]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-tools2-none-CompletionMode.STREAMED]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools3-None-CompletionMode.NORMAL]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools3-None-CompletionMode.STREAMED]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools4-None-CompletionMode.NORMAL]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools4-None-CompletionMode.STREAMED]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools5-none-CompletionMode.NORMAL]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meetkai-functionary-medium-v3.1-256-tools5-none-CompletionMode.STREAMED]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools6-None-CompletionMode.NORMAL]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools6-None-CompletionMode.STREAMED]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools8-none-CompletionMode.NORMAL]',  # noqa: E501
+    'unit/test_tool_call.py::test_completion_without_tool_call_slow[meta-llama-Llama-3.2-3B-Instruct-256-tools8-none-CompletionMode.STREAMED]',  # noqa: E501
     'unit/test_tools_builtin.py::test_tools_builtin_cwd_header',
     'unit/test_tools_builtin.py::test_tools_builtin_cwd_header_overrides_model_param',
     'unit/test_tools_builtin.py::test_tools_builtin_cwd_relative_paths',
@@ -310,14 +310,14 @@ BASELINE_PASSED: frozenset[str] = frozenset({
     'unit/test_tools_builtin.py::test_tools_builtin_write_then_edit_file',
     'unit/test_vision_api.py::test_models_supports_multimodal_capability',
     'unit/test_vision_api.py::test_v1_models_supports_multimodal_capability',
-    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\\\n-data:text/html;base64,aGVsbG8=-False-None]',
-    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\\\n-https://ggml.ai-False-None]',
-    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\\\n-https://google.com/404-False-None]',
-    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\\\n-malformed-False-None]',
-    'unit/test_vision_api.py::test_vision_completion[What is this: <__media__>\\\\n-malformed-False-None]',
-    'unit/test_vision_api.py::test_vision_completion[What is this:\\\\n--False-None]',
-    'unit/test_vision_api.py::test_vision_embeddings[What is this: <__media__>\\\\n-malformed-False]',
-    'unit/test_vision_api.py::test_vision_embeddings[What is this:\\\\n-base64-False]',
+    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\n-data:text/html;base64,aGVsbG8=-False-None]',
+    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\n-https://ggml.ai-False-None]',
+    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\n-https://google.com/404-False-None]',
+    'unit/test_vision_api.py::test_vision_chat_completion[What is this:\\n-malformed-False-None]',
+    'unit/test_vision_api.py::test_vision_completion[What is this: <__media__>\\n-malformed-False-None]',
+    'unit/test_vision_api.py::test_vision_completion[What is this:\\n--False-None]',
+    'unit/test_vision_api.py::test_vision_embeddings[What is this: <__media__>\\n-malformed-False]',
+    'unit/test_vision_api.py::test_vision_embeddings[What is this:\\n-base64-False]',
 })
 
 EXCEPTIONS: dict[str, str] = {
