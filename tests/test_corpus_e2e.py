@@ -200,8 +200,8 @@ def chat_cases() -> list[Case]:
                                   [{"function": {"name": "f", "arguments": {"a": 1}}}]],
         "messages.1.content": ["", "x", [{"type": "text", "text": "x"}]]})
     for name, messages in {
-        "last is assistant": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
         "only system": [{"role": "system", "content": "a"}],
+        "last is system": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
     }.items():
         cases.append(body_case(cat, "POST", CHAT, name, {"messages": messages, "max_tokens": 2}))
     for name, messages in {
@@ -210,6 +210,8 @@ def chat_cases() -> list[Case]:
                         {"role": "user", "content": "c"}],
         "developer": [{"role": "developer", "content": "a"}, {"role": "user", "content": "b"}],
         "assistant first": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
+        "last is assistant (a prefill)": [{"role": "user", "content": "a"},
+                                          {"role": "assistant", "content": "b"}],
     }.items():
         cases.append(body_case(cat, "POST", CHAT, name, {"messages": messages, "max_tokens": 2},
                                strict=False))

@@ -155,6 +155,9 @@ def convert_messages(body: wire.MessagesBody) -> tuple[list[dict[str, Any]], Ima
         else:
             out.append(_assistant_message(msg.content))
     out = chatreq.system_first(out)
+    if out[-1]["role"] not in ("user", "tool", "assistant"):
+        raise invalid_request("The last message must be from the user or carry tool results, "
+                              "or be the assistant's answer begun (a prefill).")
     if out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
         raise invalid_request("The last message is the assistant's with tool calls: send "
                               "their results in a user message, or end with the answer's "

@@ -90,6 +90,9 @@ def convert_messages(messages: list[wire.ChatMessage]) -> tuple[list[dict[str, A
         if role == "tool":
             m["tool_call_id"] = msg.tool_call_id or ""
         out.append(m)
+    if out[-1]["role"] not in ("user", "tool", "assistant"):
+        raise invalid_request("The last message must be from the user or a tool, or be the "
+                              "assistant's answer begun (a prefill the answer goes on from).")
     return out, images
 
 
