@@ -1,5 +1,6 @@
 """The child process ``registry.py`` asks: ``python -m bmoe.backends.probe load PATH`` loads
-one backend library into ggml, ``... dlopen NAME`` one system library, and prints one JSON
+one backend library into ggml, ``... dlopen NAME`` one system library, ``... list`` the
+backends ggml registers at start, and prints one JSON
 line (``{"ok": true, "name": ...}`` or ``{"ok": false, "error": ...}``). A library that
 ends the process ends only this one."""
 
@@ -13,6 +14,9 @@ from . import registry
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["list"]:          # what ggml registers at start in this build
+        print(json.dumps({"ok": True, "name": ",".join(registry.registered())}))
+        return 0
     if len(argv) != 2 or argv[0] not in ("load", "dlopen"):
         print(json.dumps({"ok": False, "error": "usage: probe load PATH | dlopen NAME"}))
         return 2

@@ -130,6 +130,17 @@ def _child(*args: str) -> tuple[bool, str, str]:
     return True, str(answer.get("name", "")), ""
 
 
+def registered_at_start(loaded_any: bool) -> list[str]:
+    """What ggml registered at this start. Read in this process only once a pack was
+    loaded into it (the registry is touched then anyway); otherwise asked of a child:
+    touching ggml's registry in the server before a model loads defeats the RPC guard
+    (bmoe/native/rpcguard.c), and a lost helper would end the process."""
+    if loaded_any:
+        return registered()
+    ok, names, _ = _child("list")
+    return [n for n in names.split(",") if n] if ok else []
+
+
 def driver_loads(name: str) -> bool:
     """Whether the system library ``name`` (a driver: ``libvulkan.so.1``) loads here, asked
     in a child process."""

@@ -44,7 +44,7 @@ class BackendsService:
     curl: CurlConfig
     key: Ed25519PublicKey | None
     url: str
-    registered: list[str] = field(default_factory=list)   # what ggml registered at start
+    registered: list[str] | None = None   # what ggml registered at start (None: not asked yet)
     loads: list[registry.LoadResult] = field(default_factory=list)
     restart_required: bool = False
     _document: bytes | None = None
@@ -134,6 +134,9 @@ class BackendsService:
                 "installed_version": have.get("version") if have else None,
                 "current": bool(have and have.get("sha256") == p.sha256)})
         offered_ids = {p.id for p in offered}
+        if self.registered is None:      # asked of a child once (registry.registered_at_start)
+            self.registered = await trio.to_thread.run_sync(
+                registry.registered_at_start, any(r.loaded for r in self.loads))
         out: dict[str, Any] = {
             "registered": list(self.registered), "target": target,
             "feed": {"version": feed.version, "published": feed.published}

@@ -131,6 +131,6 @@ def attach(state: Any, args: Any) -> BackendsService:
         publish=lambda name, ev: state.bus.publish(name, ev, local_only=True),
         curl=CurlConfig(ca_file=args.hf_ca_file, stall_s=args.download_stall_s),
         key=key, url=args.feed_url or feedmod.FEED_URL,
-        registered=registry.registered(), loads=loads)
+        loads=loads)    # `registered` is read when first asked (registry.registered_at_start)
     state.backends = service
     return service
