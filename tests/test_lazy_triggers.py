@@ -11,7 +11,6 @@ a word the tiny model writes in two tokens triggers a grammar in generation.
 
 from __future__ import annotations
 
-import tarfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from _child import WorkerChild
-from _llama_templates import SDIST_VERSION, cache_dir, sdist_tarball
+from _llama_templates import vocab_gguf
 from bmoe.engine import families
 from bmoe.engine.families.grammar_calls import _json_family
 from bmoe.engine.grammar import gbnf_literal as literal
@@ -70,20 +69,7 @@ def test_every_family_is_covered() -> None:
     assert set(XML_CALLS) | set(JSON_FAMILIES) == set(families.FAMILIES)
 
 
-def vocab_file(name: str) -> Path:
-    """One of the sdist's vocabulary-only GGUFs, extracted into the test cache once."""
-    out = cache_dir() / f"vocabs-{SDIST_VERSION}" / f"ggml-vocab-{name}.gguf"
-    if not out.exists():
-        member = f"vendor/llama.cpp/models/{out.name}"
-        with tarfile.open(sdist_tarball()) as tar:
-            info = next(i for i in tar.getmembers() if i.name.split("/", 1)[-1] == member)
-            data = tar.extractfile(info)
-            assert data is not None
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(".part")
-            tmp.write_bytes(data.read())
-            tmp.replace(out)
-    return out
+vocab_file = vocab_gguf      # one of the sdist's vocabulary-only GGUFs (cached once)
 
 
 @pytest.fixture(scope="module")
