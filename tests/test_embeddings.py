@@ -16,6 +16,7 @@ import json
 import math
 import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from conftest import ServerProcess, start_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bmoe.engine import weight_types
 from bmoe.modelmaker.bert import make_bert
 
 LIFE = "I believe the meaning of life is"          # 7 words: [CLS] + 7 + [SEP] = 9 tokens
@@ -193,6 +195,43 @@ def test_a_bert_without_embedding_is_refused_at_load(tmp_path: Path,
         assert status == 503, body
     finally:
         srv.stop()
+
+
+def test_weights_llama_cpp_would_abort_on_are_refused_at_load(
+        tmp_path: Path, berts: dict[str, Path]) -> None:
+    """A file storing its token types, norms and biases in F16 (a broken converter's) is
+    refused at load with the tensor's name; the server stays up. That llama.cpp really
+    aborts on it is shown in a child process, so the refusal guards a real crash."""
+    broken = make_bert(tmp_path / "f16-vectors.gguf", vocab_gguf("bert-bge"),
+                       f16_vectors=True)
+    assert weight_types.first_unusable(berts["embed"]) is None
+    found = weight_types.first_unusable(broken)
+    assert found is not None and found.name == "token_types.weight"
+    child = subprocess.run([sys.executable, "-c", _DECODE_RAW, str(broken)],
+                           capture_output=True, timeout=120, check=False)
+    assert child.returncode < 0 or b"unsupported types" in child.stderr, child
+    srv = start_server(tmp_path, "-m", str(broken), "-c", "512", "--embedding")
+    try:
+        info = srv.info()
+        assert info["state"] == "error", info
+        assert "token_types.weight" in info["error"] and "F16" in info["error"], info
+        status, _, body = srv.request("POST", "/v1/embeddings", {"input": "x"})
+        assert status == 503, body
+        assert srv.proc.poll() is None and srv.request("GET", "/api/info")[0] == 200
+    finally:
+        srv.stop()
+
+
+# llama.cpp alone, no bmoe guard: load the file and encode two tokens.
+_DECODE_RAW = """
+import sys, llama_cpp as lc
+lc.llama_backend_init()
+m = lc.llama_model_load_from_file(sys.argv[1].encode(), lc.llama_model_default_params())
+p = lc.llama_context_default_params(); p.embeddings = True; p.n_ctx = 64
+c = lc.llama_init_from_model(m, p)
+b = lc.llama_batch_get_one((lc.llama_token * 2)(101, 102), 2)
+print(lc.llama_encode(c, b))
+"""
 
 
 def test_a_chat_server_says_start_with_embeddings(server: ServerProcess) -> None:

@@ -33,7 +33,7 @@ from .calibrate import Arm, Trial
 from . import families
 from .chatparse import detect_framing
 from .errors import Aborted, EngineError, LoadError, context_full
-from . import backend, builtin_templates, embed, kernels, params, rpc
+from . import backend, builtin_templates, embed, kernels, params, rpc, weight_types
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
 from .sampling import (Sampling, build_chain, chain_biases, post_sampling_logprobs,
@@ -182,6 +182,14 @@ class Session:
     def _open(self, streamer_factory: Callable[["Session"], Streamer | None] | None) -> None:
         if not self.path.is_file():
             raise LoadError(f"The model file {self.path} does not exist.")
+        unusable = weight_types.first_unusable(self.path)
+        if unusable is not None:
+            raise LoadError(
+                f"{self.path.name} stores {unusable.name} as "
+                f"{weight_types.type_name(unusable.type)}: llama.cpp adds that tensor to "
+                "its F32 activations and its CPU kernels take it only as F32 (it would "
+                "abort at the first token). Convert the model again with a current "
+                "convert_hf_to_gguf, which writes norms, biases and token types in F32.")
         self.arch = ""
         endpoints = _rpc_endpoints(self.values)
         split = None

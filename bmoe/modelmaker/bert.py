@@ -49,8 +49,12 @@ def _copy_tokenizer(w: gguf.GGUFWriter, vocab: Path) -> int:
 def make_bert(path: str | os.PathLike[str], vocab: str | os.PathLike[str], *,
               n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_ff: int = 128,
               n_ctx: int = 512, pooling: str = "cls", rerank: bool = False,
-              seed: int = 0, name: str = "tiny-bert") -> Path:
-    """Write a tiny BERT with `vocab`'s tokenizer to `path` (F16 matrices, F32 norms)."""
+              seed: int = 0, name: str = "tiny-bert", f16_vectors: bool = False) -> Path:
+    """Write a tiny BERT with `vocab`'s tokenizer to `path` (F16 matrices, F32 norms).
+
+    `f16_vectors` writes the token-type rows and the norms and biases in F16, as a
+    broken converter would: llama.cpp aborts on such a file at its first decode (the
+    server refuses it at load; tests use it to prove that)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -76,12 +80,13 @@ def make_bert(path: str | os.PathLike[str], vocab: str | os.PathLike[str], *,
 
         def vec(name: str, n: int, value: float | None = None) -> None:
             data = (np.full(n, value) if value is not None else rng.normal(0.0, 0.02, size=n))
-            w.add_tensor(name, data.astype(np.float32))
+            w.add_tensor(name, data.astype(vector_type))
 
+        vector_type = np.float16 if f16_vectors else np.float32
         mat("token_embd.weight", n_vocab, n_embd)
         # llama.cpp adds the type row to the F32 activations: an F16 one aborts the process
         w.add_tensor("token_types.weight",
-                     rng.normal(0.0, 0.02, size=(2, n_embd)).astype(np.float32))
+                     rng.normal(0.0, 0.02, size=(2, n_embd)).astype(vector_type))
         mat("position_embd.weight", n_ctx, n_embd)
         vec("token_embd_norm.weight", n_embd, 1.0)
         vec("token_embd_norm.bias", n_embd)
