@@ -118,8 +118,12 @@ def _prepare(schema: Any, where: str) -> dict[str, Any]:
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             schema[key] = [_prepare(v, f"{where}.{key}[{i}]") for i, v in enumerate(schema[key])]
+    if isinstance(schema.get("items"), list):
+        # the older tuple form (draft 4 to 2019-09: what prefixItems says now)
+        schema["items"] = [_prepare(v, f"{where}.items[{i}]")
+                           for i, v in enumerate(schema["items"])]
     for key in _SUBSCHEMA_ONE:
-        if key in schema and not isinstance(schema[key], bool):
+        if key in schema and not isinstance(schema[key], (bool, list)):
             schema[key] = _prepare(schema[key], f"{where}.{key}")
     _relax_bounds(schema, where)
     if _is_untyped(schema):

@@ -33,10 +33,26 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     from one), as llama.cpp's own Jinja engine allows; `render` hands the template a copy
     of the conversation, so the caller's lists are never changed."""
 
+    # `"text" + x` where x is undefined or none is the text, as llama.cpp's engine reads
+    # it (firefunction-v2 adds `functions`, which no caller defines when there are none)
+    intercepted_binops = frozenset({"+"})
+
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         if isinstance(obj, list) and attr in ("append", "extend", "pop", "insert"):
             return True
         return super().is_safe_attribute(obj, attr, value)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+":
+            if isinstance(left, str) and _is_nothing(right):
+                return left
+            if isinstance(right, str) and _is_nothing(left):
+                return right
+        return super().call_binop(context, operator, left, right)
+
+
+def _is_nothing(value: Any) -> bool:
+    return value is None or isinstance(value, jinja2.Undefined)
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -90,7 +106,12 @@ class ChatTemplate:
         enable_thinking: bool = True,
         extra: dict[str, Any] | None = None,
     ) -> str:
-        kwargs: dict[str, Any] = dict(extra or {})
+        # llama.cpp's extra context: today's date in the two forms templates read (Llama
+        # 3.x's date_string, firefunction's datetime); a request's variables win
+        now = datetime.now()
+        kwargs: dict[str, Any] = {"date_string": now.strftime("%d %b %Y"),
+                                  "datetime": now.strftime("%b %d %Y")}
+        kwargs.update(extra or {})
         kwargs.update(
             messages=copy.deepcopy(messages),
             tools=copy.deepcopy(tools) or None,

@@ -60,6 +60,12 @@ class TurnRequest:
     # the last message is the assistant's answer begun (a prefill): the answer goes on
     # from its text (llama-server's continue_final_message, Anthropic's prefill)
     continue_final: bool = False
+    # llama-server's add_generation_prompt false: the prompt ends after the conversation,
+    # with no turn opened for the answer
+    generation_prompt: bool = True
+    # whether a schema's or a forced call's grammar admits reasoning before what it
+    # constrains (off under llama-server's --no-jinja: its legacy chat path has none)
+    grammar_reasoning: bool = True
 
     def conflict(self) -> str | None:
         """Why these choices cannot hold together (a sentence), or None."""
@@ -135,12 +141,13 @@ def render_prompt(session: Session, req: TurnRequest) -> str:
     history = req.messages[:-1] if begun is not None else req.messages
     messages = families.template_messages(session.tool_framing, history)
     think, variables = template_variables(session, req)
+    opened = req.generation_prompt or begun is not None
     try:
         text = session.render(messages, tools=req.offered_tools(), enable_thinking=think,
-                              extra=variables or None)
+                              add_generation_prompt=opened, extra=variables or None)
     except TemplateError as e:
         raise EngineError("template_rejected", str(e)) from e
-    text = families.finish_prompt(session.tool_framing, text)
+    text = families.finish_prompt(session.tool_framing, text, opened)
     return text + _continued(begun, text) if begun is not None else text
 
 
@@ -223,12 +230,14 @@ def choose_grammar(req: TurnRequest, framing: str | None,
                                   "call format the server knows, so a call cannot be required.")
             tools = [t for t in req.tools if t["function"]["name"] == req.named_tool] \
                 if req.named_tool else req.tools
-            return gbnf.tool_call_grammar(framing, tools, allow_reasoning=req.think,
+            return gbnf.tool_call_grammar(framing, tools,
+                                          allow_reasoning=req.think and req.grammar_reasoning,
                                           starts_in_reasoning=starts_in_reasoning,
                                           parallel=req.parallel_calls)
         if req.schema is not None:
             # An answer schema constrains the answer, not the reasoning before it.
-            return gbnf.json_schema_grammar(req.schema, allow_reasoning=req.think,
+            return gbnf.json_schema_grammar(req.schema,
+                                            allow_reasoning=req.think and req.grammar_reasoning,
                                             starts_in_reasoning=starts_in_reasoning)
         if req.grammar:
             return req.grammar

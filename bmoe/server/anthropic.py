@@ -155,6 +155,10 @@ def convert_messages(body: wire.MessagesBody) -> tuple[list[dict[str, Any]], Ima
         else:
             out.append(_assistant_message(msg.content))
     out = chatreq.system_first(out)
+    if not body.messages:
+        # llama-server answers an empty conversation (its template's generation prompt,
+        # after the system text when there is one); Anthropic's API would refuse it
+        return out, images
     if out[-1]["role"] not in ("user", "tool", "assistant"):
         raise invalid_request("The last message must be from the user or carry tool results, "
                               "or be the assistant's answer begun (a prefill).")
@@ -198,7 +202,7 @@ def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ImageSet]
                       max_tokens=chatreq.budget(parsed.max_tokens, "max_tokens", config.values),
                       think=chatreq.thinking(config.values, config.user_keys, think=think),
                       schema=_output_schema(parsed.output_config), images=images,
-                      continue_final=messages[-1]["role"] == "assistant")   # a prefill
+                      continue_final=bool(messages) and messages[-1]["role"] == "assistant")
     return chatreq.checked(req, "(`tool_choice` \"any\" or \"tool\")"), images
 
 
@@ -310,10 +314,12 @@ class MessagesEncoder:
         match ev:
             case Waiting() | Ping():
                 return PING
-            case Started(model=model):
+            case Started(model=model, n_prompt=n_prompt):
                 self.model = model
-                zero = {"input_tokens": 0, "output_tokens": 0}
-                return event("message_start", {"message": self.message([], None, zero)})
+                # the whole prompt: how much of it the KV held is known once it ran (the
+                # message_delta's usage, which a client takes over these)
+                start = {"input_tokens": n_prompt, "output_tokens": 0}
+                return event("message_start", {"message": self.message([], None, start)})
             case BlockOpen() | BlockAppend() | BlockClose():
                 self.calls = self.calls or opens_tool_call(ev)
                 return b"".join(block_events(ev))

@@ -328,7 +328,9 @@ def _carry(args: Any) -> list[str]:
             raise SystemExit(f"bmoe-server: --reasoning-format {fmt!r} is not one of "
                              f"{', '.join(allowed)}.")
     if given(args, BY_LONG["--jinja"]) is False:
-        lines.append("--no-jinja: chat templates are always rendered with Jinja here.")
+        lines.append("--no-jinja: chat templates are always rendered with Jinja here; as in "
+                     "llama-server's legacy chat, no reasoning is let before an answer "
+                     "schema's or a forced call's output.")
     if given(args, BY_LONG["--models-autoload"]) and not getattr(args, "autoload", False):
         args.autoload = True
     lines += _carry_origins(args)

@@ -23,6 +23,8 @@ class LlamaOptions:
     reasoning_format: str = "auto"
     parallel: int = 1                  # as asked; one turn runs at a time whatever it is
     verbose: bool = False              # --verbose: every chat answer carries __verbose
+    jinja: bool = True                 # --no-jinja: llama-server's legacy chat (no reasoning
+                                       # before a schema's or a forced call's output)
 
 
 def options_from(args: Any) -> LlamaOptions:
@@ -39,7 +41,8 @@ def options_from(args: Any) -> LlamaOptions:
         ui=given(args, F["--webui"]) is not False,
         reasoning_format=given(args, F["--reasoning-format"]) or "auto",
         parallel=int(parallel) if parallel is not None else 1,
-        verbose=bool(given(args, F["--log-verbose"])))
+        verbose=bool(given(args, F["--log-verbose"])),
+        jinja=given(args, F["--jinja"]) is not False)
 
 
 def attach(state: Any, args: Any) -> None:

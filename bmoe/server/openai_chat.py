@@ -23,6 +23,7 @@ from .imageparts import image_part, read_images
 from .shapes import engine_http_error
 from .state import ServerState
 from .turnevents import (
+    Decoded,
     Failed,
     Finished,
     Ping,
@@ -30,6 +31,7 @@ from .turnevents import (
     RawTokens,
     ReasoningDelta,
     Reset,
+    RunningTimings,
     Shape,
     Started,
     TextDelta,
@@ -151,7 +153,8 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                       parallel_calls=bool(parsed.parallel_tool_calls), images=images,
                       template_kwargs={**kwargs, **families.effort_kwargs(parsed.reasoning_effort)},
                       progress=bool(parsed.return_progress),
-                      continue_final=continuation(parsed, messages))
+                      continue_final=continuation(parsed, messages),
+                      generation_prompt=parsed.add_generation_prompt is not False)
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 
@@ -192,6 +195,7 @@ class ChatEncoder:
         self.show_progress = False                  # `return_progress`: prefill chunks
         self.with_timings = False                   # `timings_per_token`: the last chunks'
         self.verbose = False                        # `verbose`: the prompt in `__verbose`
+        self.timings = RunningTimings()             # ... so far, for timings_per_token
 
     def new_call_id(self) -> str:
         return self._new_id()
@@ -247,6 +251,10 @@ class ChatEncoder:
             probs, self._pending = self._logprobs(self._pending), []
         body["choices"] = [{"index": self.index, "delta": delta, "logprobs": probs,
                             "finish_reason": finish}]
+        if self.with_timings and finish is None and any(
+                delta.get(k) for k in ("content", "reasoning_content", "tool_calls")):
+            # llama-server's timings_per_token: on every delta of the answer
+            body["timings"] = self.timings.body()
         if extra:
             body.update(extra)
         return sse_event(None, body)
@@ -263,7 +271,11 @@ class ChatEncoder:
             case RawTokens():
                 self._take_probs(ev)
                 return b""
+            case Decoded():
+                self.timings.take(ev)
+                return b""
             case Progress():
+                self.timings.take(ev)
                 if not self.show_progress:
                     return b""
                 body = self.envelope("chat.completion.chunk")

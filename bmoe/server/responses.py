@@ -43,8 +43,8 @@ from . import chatreq, turnservice, wire
 from .imageparts import image_part, read_images
 from .shapes import engine_http_error
 from .state import ServerState
-from .turnevents import (Failed, Finished, Opened, Ping, Shape, Started, Stopped, TurnEvent,
-                         Waiting)
+from .turnevents import (Decoded, Failed, Finished, Opened, Ping, Progress, RunningTimings,
+                         Shape, Started, Stopped, TurnEvent, Waiting, generation_timings)
 
 STATEFUL = "This server is stateless: send the whole conversation in `input` (as with " \
            "`store: false`)."
@@ -202,7 +202,8 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                                                 config.values),
                       think=chatreq.thinking(config.values, config.user_keys, effort=effort),
                       schema=_text_schema(parsed.text), images=images,
-                      template_kwargs=families.effort_kwargs(effort))
+                      template_kwargs=families.effort_kwargs(effort),
+                      progress=bool(parsed.return_progress or parsed.timings_per_token))
     return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
 
 
@@ -297,6 +298,9 @@ class ResponsesEncoder:
         self.items: dict[int, dict[str, Any]] = {}   # output_index -> the item as sent
         self.done: list[dict[str, Any]] = []          # finished items, in order
         self.finish_status = "completed"
+        self.show_progress = False                    # `return_progress`: prefill events
+        self.per_token = False                        # `timings_per_token`: on each delta
+        self.timings = RunningTimings()
 
     def new_call_id(self) -> str:
         return _new_id("call_")
@@ -351,6 +355,18 @@ class ResponsesEncoder:
             case Stopped(finish=finish):
                 self.finish_status = "completed" if finish == "stop" else "incomplete"
                 return b""
+            case Decoded():
+                self.timings.take(ev)
+                return b""
+            case Progress():
+                self.timings.take(ev)
+                if not self.show_progress:
+                    return b""
+                update = {"response": self.response("in_progress", []),
+                          "prompt_progress": ev.body()}
+                if self.per_token:
+                    update["timings"] = self.timings.body()
+                return self.event("response.in_progress", update)
             case BlockOpen():
                 return self.open(ev)
             case BlockAppend(index=index, kind=kind, text=text):
@@ -360,7 +376,10 @@ class ResponsesEncoder:
             case Finished(finish=finish):
                 status, incomplete = _status(finish)
                 body = self.response(status, self.done, ev, incomplete_details=incomplete)
-                return self.event("response." + status, {"response": body})
+                data: dict[str, Any] = {"response": body}
+                if self.per_token and ev.generation is not None:
+                    data["timings"] = generation_timings(ev.generation)
+                return self.event("response." + status, data)
             case Failed(error=EngineError() as e):
                 return self._failed(http_error(e))
             case Failed(error=HTTPError() as e):
@@ -394,7 +413,9 @@ class ResponsesEncoder:
         return out
 
     def append(self, index: int, kind: str, text: str) -> bytes:
-        ids = {"item_id": self.items[index]["id"], "output_index": index}
+        ids: dict[str, Any] = {"item_id": self.items[index]["id"], "output_index": index}
+        if self.per_token:
+            ids["timings"] = self.timings.body()
         if kind == "reasoning":
             return self.event("response.reasoning_text.delta",
                               {**ids, "content_index": 0, "delta": text})
@@ -434,5 +455,8 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
     body = request.json_object()
     req = decode(body, state.config)
     await read_images(req.images)
-    return await turnservice.serve(state, req, ResponsesEncoder(_echo(body, req)),
+    encoder = ResponsesEncoder(_echo(body, req))
+    encoder.show_progress = bool(body.get("return_progress"))      # (types checked)
+    encoder.per_token = bool(body.get("timings_per_token"))
+    return await turnservice.serve(state, req, encoder,
                                    streaming=bool(body.get("stream")), http_error=http_error)

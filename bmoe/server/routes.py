@@ -54,8 +54,9 @@ def build_routes(state: ServerState) -> RouteTable:
         body_limit=limits.BIG_BODY_LIMIT_BYTES)
     add("POST", "/v1/messages/count_tokens", anthropic.count_tokens, shape=shapes.ANTHROPIC,
         model=True, body_limit=limits.BIG_BODY_LIMIT_BYTES)
-    add("POST", "/v1/responses", responses.handle, shape=shapes.RESPONSES, model=True,
-        body_limit=limits.BIG_BODY_LIMIT_BYTES)
+    for path in ("/v1/responses", "/responses"):        # llama-server serves both
+        add("POST", path, responses.handle, shape=shapes.RESPONSES, model=True,
+            body_limit=limits.BIG_BODY_LIMIT_BYTES)
     models_routes.register(table, state)
     plan_routes.register(table, state)
     backends_routes.register(table, state)   # backend packs and updates (local only)

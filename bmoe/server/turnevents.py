@@ -61,6 +61,7 @@ class Ping:
 @dataclass(frozen=True)
 class Started:
     model: str
+    n_prompt: int = 0               # the prompt's tokens, as prepared (with its images')
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,37 @@ class RawTokens:
     """The `raw` shape's delta: a batch of generated tokens as they came (ids, text,
     log-probabilities when asked), for llama-server's /completion."""
     tokens: tuple[TokenEvent, ...]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A batch of the answer's tokens was decoded: how many and in how long (an encoder's
+    running `timings`, llama-server's `timings_per_token`)."""
+    n_tokens: int
+    wall_ms: float
+
+
+class RunningTimings:
+    """llama-server's `timings` while a turn runs: the prefill's as it last reported
+    (`Progress`), the tokens decoded since (`Decoded`)."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[str, Any] = {}
+        self.n_out = 0
+        self.decode_ms = 0.0
+
+    def take(self, ev: "TurnEvent") -> None:
+        if isinstance(ev, Progress):
+            self.prompt = progress_timings(ev.prefill)
+        elif isinstance(ev, Decoded):
+            self.n_out += ev.n_tokens
+            self.decode_ms += ev.wall_ms
+
+    def body(self) -> dict[str, Any]:
+        n, ms = self.n_out, self.decode_ms
+        return {**(self.prompt or progress_timings(None)), "predicted_n": n,
+                "predicted_ms": ms, "predicted_per_token_ms": ms / n if n else 0.0,
+                "predicted_per_second": n / (ms / 1e3) if ms > 0 else 0.0}
 
 
 def generation_timings(gen: Generation) -> dict[str, Any]:
@@ -163,8 +195,8 @@ class Failed:
 
 
 TurnEvent = Union[Opened, Waiting, Ping, Started, Stopped, TextDelta, ReasoningDelta, Reset,
-                  ToolCallStart, ToolArgsDelta, BlockEvent, RawTokens, Progress, Finished,
-                  Failed]
+                  ToolCallStart, ToolArgsDelta, BlockEvent, RawTokens, Decoded, Progress,
+                  Finished, Failed]
 
 
 def _chat_event(delta: dict[str, Any]) -> list[TurnEvent]:
@@ -249,9 +281,10 @@ class TurnOutput:
         text = "".join(ev.text for ev in tokens)
         if self.shape != "raw":
             # asked-for log-probabilities travel beside the parser's reading, before it
-            probs: list[TurnEvent] = [RawTokens(tuple(tokens))] \
-                if any(ev.logprob is not None for ev in tokens) else []
-            return probs + self.feed(text, len(tokens))
+            done: list[TurnEvent] = [Decoded(len(tokens), sum(t.wall_ms for t in tokens))]
+            if any(ev.logprob is not None for ev in tokens):
+                done.append(RawTokens(tuple(tokens)))
+            return done + self.feed(text, len(tokens))
         self.view = ParseView(content=self.view.content + text)
         return [RawTokens(tuple(tokens))]
 
@@ -299,4 +332,5 @@ def opens_tool_call(ev: TurnEvent) -> bool:
 
 __all__ = ["Opened", "Waiting", "Ping", "Started", "Stopped", "TextDelta", "ReasoningDelta", "Reset",
            "ToolCallStart", "ToolArgsDelta", "BlockOpen", "BlockClose", "Finished", "Failed",
-           "TurnEvent", "TurnOutput", "Shape", "RawTokens", "opens_tool_call"]
+           "TurnEvent", "TurnOutput", "Shape", "RawTokens", "Decoded", "RunningTimings",
+           "opens_tool_call"]

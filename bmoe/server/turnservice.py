@@ -24,6 +24,8 @@ bytes); this module is everything between them, written once:
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import threading
 from typing import Any, Awaitable, Callable, Protocol
@@ -80,6 +82,9 @@ class Turn:
         self.session = await self.state.require_session()
         await self.place.wait(on_wait)
         self.session = session = await self.state.require_session()
+        options = getattr(self.state, "llama_options", None)
+        if options is not None and not options.jinja and self.req.grammar_reasoning:
+            self.req = dataclasses.replace(self.req, grammar_reasoning=False)
         try:
             self.prepared = await wait_future(self.state.engine.submit(prepare, session, self.req))
         except EngineError as e:
@@ -162,7 +167,7 @@ async def drive(turn: Turn, emit: Emit, shape: Shape | None,
         await emit(Ping())
 
     prepared = turn.prepared or await turn.start(on_wait=waiting)
-    await emit(Started(turn.model))
+    await emit(Started(turn.model, len(prepared.tokens)))
     options = getattr(turn.state, "llama_options", None)       # --reasoning-format
     out = TurnOutput(prepared, turn.req, shape, new_call_id,
                      getattr(options, "reasoning_format", "auto"))

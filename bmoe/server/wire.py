@@ -530,7 +530,7 @@ class OutputConfig(Wire):
 
 
 class MessagesBody(Wire):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message]              # empty: answered, as llama-server answers it
     system: StrictStr | list[TextBlock] | None = None
     tools: list[MessagesTool] | None = None
     tool_choice: MessagesChoice | None = None
@@ -658,3 +658,5 @@ class ResponsesBody(Wire):
     background: Any = None
     previous_response_id: Any = None
     conversation: Any = None
+    return_progress: StrictBool | None = None      # llama-server's: the prefill's progress
+    timings_per_token: StrictBool | None = None    # ... and timings on every delta
