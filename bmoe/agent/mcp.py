@@ -41,23 +41,22 @@ import subprocess
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import anyio
 import httpx2
-import mcp_types as types
 import trio
-from mcp import ClientSession
-from mcp.client.sse import sse_client
-from mcp.client.stdio import get_default_environment
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.exceptions import MCPError
-from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from .. import __version__
 from ..engine import grammar
 from ..server.chatreq import MAX_SCHEMA_DEPTH, nesting_depth
+
+# The MCP SDK takes most of a second to import, and every server start would pay it: its
+# modules are imported where a server is started, called or read (the functions below).
+if TYPE_CHECKING:
+    import mcp_types as types
+    from mcp import ClientSession
 
 log = logging.getLogger("bmoe.agent.mcp")
 
@@ -253,6 +252,7 @@ def _clip(text: str, limit: int = MCP_OUTPUT_CHARS) -> str:
 
 def render(result: types.CallToolResult) -> tuple[bool, str]:
     """(the call succeeded, its output as text for the model)."""
+    import mcp_types as types
     parts: list[str] = []
     for block in result.content:
         if isinstance(block, types.TextContent):
@@ -310,6 +310,9 @@ async def stdio_transport(cfg: ServerConfig, end: Callable[[str], None],
     session reads and writes. Lines are JSON-RPC messages, one at most
     `MCP_LINE_MAX_BYTES`; a line that is not one is skipped, `MCP_GARBAGE_MAX` in a row
     end the session, as does the end of stdout. The group is killed on the way out."""
+    import mcp_types as types
+    from mcp.client.stdio import get_default_environment
+    from mcp.shared.message import SessionMessage
     env = get_default_environment() | dict(cfg.env)
     proc = await trio.lowlevel.open_process(
         [cfg.command, *cfg.args], cwd=cfg.cwd, env=env, stdin=subprocess.PIPE,
@@ -404,6 +407,8 @@ async def _stop_process(proc: trio.Process) -> None:
 
 @asynccontextmanager
 async def http_transport(cfg: ServerConfig) -> AsyncIterator[tuple[Any, Any]]:
+    from mcp.client.sse import sse_client
+    from mcp.client.streamable_http import streamable_http_client
     headers = dict(cfg.headers)
     if cfg.sse:
         async with sse_client(cfg.url, headers=headers, timeout=MCP_START_TIMEOUT_S) as streams:
@@ -425,6 +430,8 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 def _failure(cfg: ServerConfig, exc: BaseException) -> str:
     """A sentence for a session that failed with `exc` (never the exception's own text)."""
+    import mcp_types as types
+    from mcp.shared.exceptions import MCPError
     for e in _leaves(exc):
         if isinstance(e, Ended) and e.args and e.args[0]:
             return str(e.args[0])
@@ -549,6 +556,8 @@ class Server:
         return http_transport(self.cfg)
 
     async def _session(self) -> None:
+        import mcp_types as types
+        from mcp import ClientSession
         info = types.Implementation(name="bmoe", version=__version__)
         async with self._transport() as (read, write):
             async with ClientSession(read, write, client_info=info) as session:
@@ -579,6 +588,7 @@ class Server:
             raise Ended(self._end_reason)
 
     async def _list(self, session: ClientSession) -> list[types.Tool]:
+        import mcp_types as types
         out: list[types.Tool] = []
         cursor: str | None = None
         for _ in range(MCP_LIST_PAGES_MAX):
@@ -593,6 +603,8 @@ class Server:
     # -- a call -------------------------------------------------------------------------
 
     async def call(self, tool: str, args: dict[str, Any]) -> tuple[bool, str]:
+        import mcp_types as types
+        from mcp.shared.exceptions import MCPError
         name = self.cfg.name
         await self.ready(through_failure=True)
         session = self.session
