@@ -252,10 +252,17 @@ class _Handler(BaseHTTPRequestHandler):
         pos = start
         t0 = time.monotonic()
         while pos < end:
-            n = min(65536, end - pos)
+            # with a rate, a chunk is at most a twentieth of a second's bytes and is held
+            # back until its time: a file smaller than one chunk is slow too (written at
+            # once, it would be whole at the client before the first sleep)
+            n = min(65536, end - pos, max(1, rate // 20) if rate else 65536)
             for cut in (drop, stall):
                 if cut is not None and pos < cut < pos + n:
                     n = cut - pos
+            if rate:
+                ahead = (pos + n - start) / rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
             chunk = f.read(pos, pos + n)
             if fault.get("wrong"):
                 chunk = bytes(b ^ 0x5A for b in chunk)
@@ -275,10 +282,6 @@ class _Handler(BaseHTTPRequestHandler):
                 fault["times"] = fault.get("times", 1) - 1
                 time.sleep(fault.get("stall_s", 5))
                 return
-            if rate:
-                ahead = (pos - start) / rate - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
 
 
 def _make_cert(folder: Path) -> tuple[str, str]:
