@@ -207,8 +207,9 @@ def _rows() -> tuple[Param, ...]:
              True, switches=(Switch("--no-mmproj-auto", False), Switch("--no-mmproj", False)),
              env="LLAMA_ARG_MMPROJ_AUTO"),
         _row("chat-template", "Chat template", "text", "model", "advanced",
-             "The chat template to use instead of the model file's: a built-in's name "
-             "(chatml, gemma, llama3) or the template's Jinja text.",
+             "The chat template to use instead of the model file's: one of llama.cpp's "
+             "built-in names (chatml, gemma, llama3, command-r, mistral-v7, phi4, ...) or "
+             "the template's Jinja text.",
              "Empty uses the template the model file carries. A base model has none, so "
              "it only continues text until one is named here.",
              "", env="LLAMA_ARG_CHAT_TEMPLATE"),
@@ -626,7 +627,7 @@ def _parse_text(p: Param, raw: Any) -> str:
     if p.key == "rpc" and not _RPC_LIST.match(raw):
         raise ValueError(f"{{{p.key}}} must be HOST:PORT[,HOST:PORT...], not {_shown(raw)}")
     if p.key == "chat-template" and raw.strip() and builtin_templates.resolve(raw) is None:
-        names = ", ".join(sorted(builtin_templates.BUILTIN))
+        names = ", ".join(builtin_templates.NAMES)
         raise ValueError(f"{{{p.key}}} must name a built-in template ({names}) or be Jinja "
                          f"template text, not {_shown(raw)}")
     if p.key == "chat-template" and len(raw) > MAX_TEMPLATE_CHARS:
