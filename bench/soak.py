@@ -20,7 +20,7 @@ server goes quiet and a *baseline* is sampled; at the end the clients stop, the 
 goes quiet again and the *final* sample must hold RSS within 5 % of the baseline, and
 descriptors, trio tasks, threads and subscribers no more than at the baseline. RSS,
 descriptors and threads are read from /proc/<pid> (the kernel's figures); trio tasks
-and subscribers from the server's `/metrics` (`bmoe:process_*`, counted at the scrape).
+and subscribers from the server's `/metrics?process=1` (`bmoe:process_*`, counted at the scrape).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class Server:
             "threads": int(fields["Threads"]),
             "fds": len(os.listdir(f"/proc/{pid}/fd")),
         }
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+        with urllib.request.urlopen(self.url + "/metrics?process=1", timeout=30) as r:
             for line in r.read().decode().splitlines():
                 if line.startswith("bmoe:process_trio_tasks "):
                     out["trio_tasks"] = int(float(line.split()[1]))

@@ -289,7 +289,7 @@ ACCEPTED_LINE = [  # utils.py's flags that start a server, as one command line
     "--spec-draft-n-min", "1", "--spec-synth-len", "2.5", "--spec-synth-rates", "0.9,0.5",
     "--no-ui", "--no-models-autoload", "--jinja", "--reasoning-format", "deepseek",
     "--reasoning", "off", "--chat-template", "chatml", "--no-mmproj", "--sleep-idle-seconds",
-    "10", "--cache-ram", "0", "--no-cache-idle-slots", "--ui-mcp-proxy", "--tools", "all",
+    "3600", "--cache-ram", "0", "--no-cache-idle-slots", "--ui-mcp-proxy", "--tools", "all",
     "--tools-runtime", "docker:img", "--mcp-servers-json", "{}", "--backend_sampling",
     "--models-max", "2", "--cors-origins", "http://a.example", "--model-draft", "d.gguf"]
 

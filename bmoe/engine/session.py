@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import re
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ class Session:
     n_expert_used: int
     compute_threads: int
     template_text: str
-    template: ChatTemplate | None
+    template: "ChatTemplate | builtin_templates.LegacyTemplate | None"
     kernels: KernelChoice
     template_source: str
     bos_token: str
@@ -307,9 +308,12 @@ class Session:
         self.eos_token = self.token_text(lc.llama_vocab_eos(self.vocab))
         bos = lc.llama_vocab_bos(self.vocab)
         self.bos_token = self.token_text(bos) if bos >= 0 else ""
-        self.template = (ChatTemplate(self.template_text, bos_token=self.bos_token,
-                                      eos_token=self.eos_token)
-                         if self.template_text else None)
+        self.template = None
+        if builtin_templates.is_legacy(self.template_text) and self.template_source != "model":
+            self.template = builtin_templates.LegacyTemplate(self.template_text)
+        elif self.template_text:
+            self.template = ChatTemplate(self.template_text, bos_token=self.bos_token,
+                                         eos_token=self.eos_token)
         try:
             self.template_kwargs = params.template_kwargs(self.values.get("chat-template-kwargs"))
         except ValueError as e:
@@ -340,10 +344,10 @@ class Session:
         resolved = builtin_templates.resolve(named)
         if resolved is None:
             raise LoadError(f"{named!r} is not a chat template this server knows: name one "
-                            f"of {', '.join(sorted(builtin_templates.BUILTIN))} or give the "
+                            f"of {', '.join(builtin_templates.NAMES)} or give the "
                             "template's text in {chat-template}.")
-        is_name = named.strip().lower() in builtin_templates.BUILTIN
-        return resolved, f"built-in {named.strip().lower()}" if is_name else "setting"
+        name = builtin_templates.canonical(named)
+        return resolved, f"built-in {name}" if name else "setting"
 
     def _find_tool_framing(self) -> str | None:
         """The template's chat-format family (`families.detect` reads the template's text;
@@ -729,6 +733,53 @@ class Session:
             lc.llama_memory_clear(self.memory, True)
         self.kv_tokens = []
 
+    # -- the KV cache in a file (llama-server's slot save / restore) -------------
+
+    def save_kv(self, path: str) -> tuple[int, int]:
+        """Write the KV cache and its tokens to `path`, a llama.cpp sequence state file
+        (the plain token list llama-server restores too); (tokens, bytes) written."""
+        self._check_usable()
+        if any(t < 0 for t in self.kv_tokens):
+            raise EngineError("invalid_request", "The context holds an image: a slot with "
+                              "an image in it is not saved to a file here.")
+        n = len(self.kv_tokens)
+        ids = (lc.llama_token * max(1, n))(*self.kv_tokens)
+        written = lc.llama_state_seq_save_file(self.ctx, os.fsencode(path), 0, ids, n)
+        if not written:
+            raise EngineError("failed", "llama.cpp could not write the slot's file.")
+        return n, int(written)
+
+    def kv_identity(self) -> dict[str, Any]:
+        """What a saved KV state is only valid for: this model file and this context's
+        layout (size, cache types, flash attention, which decides the V cache's layout)."""
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            size = -1
+        return {"model": str(self.path), "model_size": size, "n_ctx": self.n_ctx,
+                "attention": self.attention.to_json()}
+
+    def load_kv(self, path: str) -> tuple[int, int]:
+        """Replace the KV cache with a sequence state file's (checked here first: its
+        header, its token count against the context, its ids against the vocabulary);
+        (tokens, bytes) read. A file llama.cpp refuses leaves the KV empty."""
+        self._check_usable()
+        tokens = _state_file_tokens(path, self.n_ctx, self.n_vocab)
+        lc.llama_memory_seq_rm(self.memory, 0, -1, -1)
+        self.kv_tokens = []
+        cap = len(tokens) or 1
+        ids = (lc.llama_token * cap)()
+        n_out = ctypes.c_size_t(0)
+        read = lc.llama_state_seq_load_file(self.ctx, os.fsencode(path), 0, ids, cap,
+                                            ctypes.byref(n_out))
+        if not read:
+            lc.llama_memory_seq_rm(self.memory, 0, -1, -1)
+            raise EngineError("invalid_request", "The slot's file is not a saved state of "
+                              "this model and context: llama.cpp refused it.")
+        got = list(ids[:n_out.value])
+        self.kv_tokens = got
+        return len(got), int(read)
+
     @property
     def usable(self) -> bool:
         """False once an RPC helper was lost mid-decode: the context must not be touched."""
@@ -887,3 +938,34 @@ class _LlamaLog:
         return [line.decode("utf-8", "replace").strip().split(": ", 1)[-1]
                 for line, level in zip(self.lines, self._levels, strict=True)
                 if level == backend.GGML_LOG_LEVEL_ERROR and line.strip()]
+
+
+STATE_HEADER = 12   # a sequence state file: magic, version, token count (u32 each)
+
+
+def _state_file_tokens(path: str, n_ctx: int, n_vocab: int) -> list[int]:
+    """The token list a sequence state file starts with, checked before llama.cpp reads
+    it: the magic and version, a count within the context (and the file), ids within the
+    vocabulary (so also no image chunk and no llama-server packed list)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(STATE_HEADER)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) < STATE_HEADER:
+                raise EngineError("invalid_request", "The slot's file is too short to be a "
+                                  "saved state.")
+            magic, version, n = struct.unpack("=III", head)
+            if magic != lc.LLAMA_STATE_SEQ_MAGIC or version != lc.LLAMA_STATE_SEQ_VERSION:
+                raise EngineError("invalid_request", "The slot's file is not a llama.cpp "
+                                  "sequence state of this version.")
+            if n > n_ctx or STATE_HEADER + 4 * n > size:
+                raise EngineError("invalid_request", f"The slot's file holds {n} tokens: "
+                                  f"more than the context ({n_ctx}) or the file.")
+            ids = list(struct.unpack(f"={n}i", f.read(4 * n)))
+    except OSError as e:
+        raise EngineError("invalid_request", "The slot's file cannot be read "
+                          f"({e.strerror or 'error'}).") from None
+    if any(t < 0 or t >= n_vocab for t in ids):
+        raise EngineError("invalid_request", "The slot's file holds token ids outside this "
+                          "model's vocabulary: it was saved from another model.")
+    return ids

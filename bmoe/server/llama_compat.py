@@ -18,16 +18,19 @@ sends is checked against the vocabulary there first.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 import trio
 from pydantic import StrictBool, StrictStr
 
-from .. import __version__
+from .. import __version__, atomicfile
 from ..engine.errors import EngineError
 from ..engine.sampling import check_tokens
 from ..engine.session import Session
@@ -35,7 +38,8 @@ from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
-from . import completions, embeddings, gcp, llama_flags, metrics, openai_chat, shapes, wire
+from . import (completions, embeddings, gcp, llama_flags, metrics, openai_chat, responses,
+               shapes, wire)
 from .bridge import wait_future
 from .llama_options import attach, llama_options, options_from, slot_count  # noqa: F401
 from .shapes import engine_http_error
@@ -72,6 +76,8 @@ def register(table: RouteTable, state: ServerState) -> None:
     add("POST", "/apply-template", apply_template, **big, **llama, **runs)
     add("POST", "/v1/chat/completions/input_tokens", input_tokens, **big, **runs)
     add("POST", "/chat/completions/input_tokens", input_tokens, **big, **runs)
+    for path in ("/v1/responses/input_tokens", "/responses/input_tokens"):
+        add("POST", path, responses_input_tokens, shape=shapes.RESPONSES, **big, **runs)
     add("POST", "/chat/completions", openai_chat.handle, **big, **llama, **runs)
     add("GET", "/props", props, **llama)
     add("POST", "/props", set_props, **llama)
@@ -113,7 +119,8 @@ async def on_engine(state: ServerState, fn: Callable[..., Any], *args: Any) -> A
 # -- health, props, slots ----------------------------------------------------------
 
 async def health(state: ServerState, request: Request) -> Response:
-    await ready_session(state)
+    if state.asleep is None:           # asleep (--sleep-idle-seconds) is healthy too
+        await ready_session(state)
     return Response.json({"status": "ok"})
 
 
@@ -125,9 +132,22 @@ def default_settings(state: ServerState, session: Session, slot: int = 0) -> dic
 
 
 async def props(state: ServerState, request: Request) -> Response:
-    session = await ready_session(state)
+    if state.asleep is not None:       # as it was, without waking the model
+        return Response.json(state.asleep.views["props"])
+    return Response.json(props_body(state, await ready_session(state)))
+
+
+def sleep_views(state: ServerState) -> dict[str, Any]:
+    """What `/props` and `/models` say of a model while it sleeps (taken as it falls
+    asleep, so the model is still loaded)."""
+    assert state.session is not None
+    return {"props": props_body(state, state.session, sleeping=True),
+            "models": models_body(state)}
+
+
+def props_body(state: ServerState, session: Session, sleeping: bool = False) -> dict[str, Any]:
     options = llama_options(state)
-    return Response.json({
+    return {
         "default_generation_settings": default_settings(state, session),
         "total_slots": slot_count(state), "model_alias": state.model_name(), "model_path": str(session.path),
         "chat_template": session.template_text, "chat_format": session.tool_framing or "none",
@@ -135,7 +155,8 @@ async def props(state: ServerState, request: Request) -> Response:
         "eos_token": session.eos_token, "modalities": {"vision": session.vision is not None, "audio": False},
         "endpoint_slots": options.slots, "endpoint_props": False,
         "endpoint_metrics": bool(getattr(state, "llama_metrics", False)), "ui": options.ui,
-        "build_info": f"bmoe {__version__}", "n_ctx": session.n_ctx})
+        "build_info": f"bmoe {__version__}", "n_ctx": session.n_ctx,
+        "is_sleeping": sleeping}
 
 
 async def set_props(state: ServerState, request: Request) -> Response:
@@ -163,9 +184,134 @@ async def slots(state: ServerState, request: Request) -> Response:
     return Response.json(out)
 
 
+class SlotFileBody(wire.Wire):
+    """`POST /slots/{id}?action=save|restore`: the file in `--slot-save-path`."""
+    filename: StrictStr
+
+
+def slot_file_name(name: str) -> str:
+    """A file name in the slots folder, as llama-server's `fs_validate_filename` takes
+    one: no folder part, not hidden, no control character, at most 255 bytes."""
+    if (not name or len(name.encode("utf-8", "surrogatepass")) > 255 or name.startswith(".")
+            or any(c in name for c in "/\\") or any(ord(c) < 32 or ord(c) == 127 for c in name)
+            or any("\ud800" <= c <= "\udfff" for c in name)):
+        raise invalid_request("Invalid filename: name a file in the slots folder (no folder "
+                              "part, not starting with a dot, no control characters).")
+    return name
+
+
 async def slot_action(state: ServerState, request: Request) -> Response:
-    raise not_supported("This server does not support slots action: the slot's state is not "
-                        "saved to files.")
+    """llama-server's slot files: ``save`` writes the KV cache and its tokens to a file in
+    `--slot-save-path` (a temporary file, then renamed), ``restore`` reads one back into
+    the KV (the next prompt that starts the same way reuses it), ``erase`` empties the KV.
+    The one KV sequence is every slot's, so any slot id in range names it. Each runs in
+    its turn in the turn line: never under a running answer."""
+    folder = llama_options(state).slot_save_path
+    if not folder:
+        raise not_supported("This server does not support slots action. Start it with "
+                            "`--slot-save-path`.")
+    raw = request.path_params.get("id", "")
+    if not raw.isdigit() or int(raw) >= slot_count(state):
+        raise invalid_request(f"Invalid slot id {raw[:20]!r}: the slots are 0 to "
+                              f"{slot_count(state) - 1}.")
+    slot = int(raw)
+    action = request.query.get("action", "")
+    if action not in ("save", "restore", "erase"):
+        raise invalid_request("Invalid action: use ?action=save, restore or erase.")
+    name = ""
+    if action != "erase":
+        name = slot_file_name(wire.parse(SlotFileBody, request.json_object()).filename)
+    await ready_session(state)
+    place = state.turns.reserve()
+    async with place:
+        await place.wait()
+        started = time.monotonic()
+        if action == "erase":
+            n = await on_engine(state, _erase_kv)
+            return Response.json({"id_slot": slot, "n_erased": n})
+        path = Path(folder) / name
+        if action == "save":
+            n, size = await _save_kv(state, path)
+            return Response.json({"id_slot": slot, "filename": name, "n_saved": n,
+                                  "n_written": size, "timings": {
+                                      "save_ms": (time.monotonic() - started) * 1e3}})
+        if not path.is_file():
+            raise HTTPError(404, "not_found", f"There is no slot file {name!r} in the slots "
+                            "folder.")
+        identity = await on_engine(state, Session.kv_identity)
+        await trio.to_thread.run_sync(_check_slot_file, path, identity)
+        n, size = await on_engine(state, Session.load_kv, str(path))
+        return Response.json({"id_slot": slot, "filename": name, "n_restored": n,
+                              "n_read": size, "timings": {
+                                  "restore_ms": (time.monotonic() - started) * 1e3}})
+
+
+def _erase_kv(session: Session) -> int:
+    n = len(session.kv_tokens)
+    session.clear_kv()
+    return n
+
+
+SLOT_FORMAT = "bmoe-slot-1"
+
+
+def _sidecar(path: Path) -> Path:
+    """The record of a slot file this server wrote (hidden: no request can name it)."""
+    return path.with_name(f".{path.name}.slot.json")
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_slot_file(path: Path, identity: dict[str, Any]) -> None:
+    """Restore only what this server saved, whole, for this model and context: llama.cpp
+    reads a state file with asserts, not checks (a file cut short aborts the process at
+    GGML_ASSERT(nread <= state_size)), so its bytes are held to the digest taken when
+    it was written, and its record to the model and context loaded now."""
+    try:
+        record = json.loads(_sidecar(path).read_text())
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or record.get("format") != SLOT_FORMAT:
+        raise invalid_request(f"The slot file {path.name!r} was not saved by this server "
+                              "(its record is missing): only slots saved here are restored.")
+    if record.get("for") != identity:
+        raise invalid_request(f"The slot file {path.name!r} was saved for another model or "
+                              "context settings: restore it with those loaded.")
+    try:
+        whole = path.stat().st_size == record.get("size") and _digest(path) == record.get("sha256")
+    except OSError:
+        whole = False
+    if not whole:
+        raise invalid_request(f"The slot file {path.name!r} has changed since it was saved "
+                              "(its size or digest differs): save the slot again.")
+
+
+async def _save_kv(state: ServerState, path: Path) -> tuple[int, int]:
+    """Save through a temporary file in the same folder, renamed over `path` when whole,
+    with its record (digest, size, the model and context it holds a state of) beside it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        n, size = await on_engine(state, Session.save_kv, str(tmp))
+        identity = await on_engine(state, Session.kv_identity)
+        digest = await trio.to_thread.run_sync(_digest, tmp)
+        record = {"format": SLOT_FORMAT, "size": os.path.getsize(tmp), "sha256": digest,
+                  "n_tokens": n, "for": identity}
+        _sidecar(path).unlink(missing_ok=True)      # never a record of another file's bytes
+        os.replace(tmp, path)
+        atomicfile.write_text(_sidecar(path), json.dumps(record, indent=1) + "\n")
+    except OSError as e:
+        raise HTTPError(500, "failed", f"The slot file could not be written in the slots "
+                        f"folder ({e.strerror or 'error'}).") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n, size
 
 
 # -- tokenizer ---------------------------------------------------------------------
@@ -246,6 +392,15 @@ async def input_tokens(state: ServerState, request: Request) -> Response:
     return Response.json({"input_tokens": len(out["prompt_ids"])})
 
 
+async def responses_input_tokens(state: ServerState, request: Request) -> Response:
+    """OpenAI's `POST /v1/responses/input_tokens`: the tokens a Responses body's prompt
+    takes (its input, instructions and tools rendered through the chat template)."""
+    req = responses.decode(request.json_object(), state.config)
+    out = await on_engine(state, _render, req, True)
+    return Response.json({"object": "response.input_tokens",
+                          "input_tokens": len(out["prompt_ids"])})
+
+
 # -- stopping ----------------------------------------------------------------------
 
 SHUTDOWN_DELAY_S = 0.2   # the answer goes out before the stop begins
@@ -270,7 +425,8 @@ async def get_metrics(state: ServerState, request: Request) -> Response:
     if not getattr(state, "llama_metrics", False):
         raise not_supported("This server does not support metrics endpoint. Start it with "
                             "`--metrics`.")
-    return Response(body=metrics.exposition(state), content_type=metrics.CONTENT_TYPE,
+    process = request.query.get("process") not in (None, "", "0", "false")
+    return Response(body=metrics.exposition(state, process), content_type=metrics.CONTENT_TYPE,
                     headers=[("Process-Start-Time-Unix", str(int(PROCESS_START)))])
 
 
@@ -290,7 +446,13 @@ def _entry(state: ServerState) -> dict[str, Any] | None:
 async def models(state: ServerState, request: Request) -> Response:
     """`/v1/models` and `/models`: OpenAI's list (`data`) and, as llama-server adds it,
     the Ollama-style `models` list whose `capabilities` say `multimodal` for a model
-    that reads images."""
+    that reads images (a sleeping model is listed as it was)."""
+    if state.asleep is not None:
+        return Response.json(state.asleep.views["models"])
+    return Response.json(models_body(state))
+
+
+def models_body(state: ServerState) -> dict[str, Any]:
     entry = _entry(state)
     listed = []
     if entry is not None:
@@ -302,7 +464,7 @@ async def models(state: ServerState, request: Request) -> Response:
                        "parameters": "",
                        "details": _details(state.session) if state.session is not None
                        else {}})
-    return Response.json({"models": listed, "object": "list", "data": [entry] if entry else []})
+    return {"models": listed, "object": "list", "data": [entry] if entry else []}
 
 
 def _find(state: ServerState, name: str) -> dict[str, Any]:

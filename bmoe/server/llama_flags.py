@@ -134,10 +134,9 @@ def _flags() -> tuple[LlamaFlag, ...]:
         F(("--cors-origins",), "origins whose pages may use the API (comma-separated): "
           "read as --allow-origin; * is refused", env="LLAMA_ARG_CORS_ORIGINS",
           metavar="ORIGINS"),
-        F(("--sleep-idle-seconds",), "llama-server unloads the model after this long "
-          "idle", metavar="S",
-          note="--sleep-idle-seconds {value}: the model stays loaded here (unload it with "
-               "POST /api/session/unload)."),
+        F(("--sleep-idle-seconds",), "unload the model after this many seconds with no "
+          "request using it; the next request that needs it loads it again (-1: never)",
+          metavar="S"),
         F(("-cram", "--cache-ram"), "llama-server's prompt cache in RAM (MiB)",
           env="LLAMA_ARG_CACHE_RAM", metavar="MIB",
           note="--cache-ram {value}: there is no prompt cache in RAM here; the KV cache "
@@ -145,10 +144,8 @@ def _flags() -> tuple[LlamaFlag, ...]:
         F(("--cache-idle-slots",), "llama-server saves idle slots to its prompt cache",
           env="LLAMA_ARG_CACHE_IDLE_SLOTS", negative=("--no-cache-idle-slots",),
           note="--cache-idle-slots: there is no prompt cache in RAM here."),
-        F(("--slot-save-path",), "llama-server saves slots' KV caches to files here",
-          metavar="PATH",
-          note="--slot-save-path: slots are not saved to files here (POST /slots/{{id}} "
-               "answers 501)."),
+        F(("--slot-save-path",), "the folder POST /slots/{id}?action=save writes the KV "
+          "cache to, and restore reads it from", metavar="PATH"),
         F(("--context-shift",), "llama-server drops old context when it is full",
           env="LLAMA_ARG_CONTEXT_SHIFT", negative=("--no-context-shift",),
           note="--context-shift: the context does not shift here; an answer ends where "
@@ -328,7 +325,8 @@ def _carry(args: Any) -> list[str]:
             raise SystemExit(f"bmoe-server: --reasoning-format {fmt!r} is not one of "
                              f"{', '.join(allowed)}.")
     if given(args, BY_LONG["--jinja"]) is False:
-        lines.append("--no-jinja: chat templates are always rendered with Jinja here; as in "
+        lines.append("--no-jinja: a model's own chat template is rendered with Jinja here "
+                     "(a --chat-template name is rendered as llama-server renders it); as in "
                      "llama-server's legacy chat, no reasoning is let before an answer "
                      "schema's or a forced call's output.")
     if given(args, BY_LONG["--models-autoload"]) and not getattr(args, "autoload", False):

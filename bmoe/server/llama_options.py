@@ -25,6 +25,7 @@ class LlamaOptions:
     verbose: bool = False              # --verbose: every chat answer carries __verbose
     jinja: bool = True                 # --no-jinja: llama-server's legacy chat (no reasoning
                                        # before a schema's or a forced call's output)
+    slot_save_path: str = ""           # --slot-save-path: POST /slots/{id} save / restore
 
 
 def options_from(args: Any) -> LlamaOptions:
@@ -42,7 +43,8 @@ def options_from(args: Any) -> LlamaOptions:
         reasoning_format=given(args, F["--reasoning-format"]) or "auto",
         parallel=int(parallel) if parallel is not None else 1,
         verbose=bool(given(args, F["--log-verbose"])),
-        jinja=given(args, F["--jinja"]) is not False)
+        jinja=given(args, F["--jinja"]) is not False,
+        slot_save_path=str(given(args, F["--slot-save-path"]) or ""))
 
 
 def attach(state: Any, args: Any) -> None:

@@ -22,7 +22,7 @@ from ..http.server import HttpApp, serve_http, watch_parent
 from .config import ConfigStore, default_data_dir
 from .events import EventBus
 from . import backends_routes, launch_files, llama_compat, llama_flags, models_cli
-from . import models_routes, plan_routes
+from . import models_routes, plan_routes, sleep
 from ..agent import api as agent_api
 from ..modelmaker import ensure_demo_model
 from ..service import cli as service_cli
@@ -219,6 +219,8 @@ def route_table(state: Any, args: argparse.Namespace) -> RouteTable:
     routes = build_routes(state)
     if args.autoload:
         routes = with_autoload(routes, state)
+    if sleep.seconds(args):           # outermost: a sleeping model is awake before autoload
+        routes = sleep.with_sleep(routes, state)
     return routes
 
 
@@ -245,6 +247,8 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
                     await nursery.start(models_routes.run, state)
                     await nursery.start(plan_routes.run, state)
                     await nursery.start(agent_api.run, state)
+                    if sleep.seconds(args):
+                        await nursery.start(sleep.run, state, sleep.seconds(args))
                     await _start(nursery, state, app, policy, options, args)
         finally:
             with trio.CancelScope(shield=True):

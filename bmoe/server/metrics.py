@@ -9,9 +9,16 @@ a `prometheus_client` collector, and `prometheus_client` writes the text exposit
 format (names, `# HELP`/`# TYPE`, escaping): nothing here formats it by hand.
 
 The names are llama-server's (`llamacpp:prompt_tokens_total`, ...), so its dashboards
-read ours; bmoe's own figures are `bmoe:`-prefixed. `bmoe:process_*` are what a long run
-watches for growth (bench/soak.py): trio tasks alive (counted from the root task down at
-the scrape), event-bus subscribers, threads, open descriptors and resident memory.
+read ours; bmoe's own figures are `bmoe:`-prefixed. As in llama-server, the two
+throughput gauges (`prompt_tokens_seconds`, `predicted_tokens_seconds`) are averaged over
+the window between two scrapes: each scrape reads the window and starts the next one.
+
+`bmoe:process_*` (asked for with ``/metrics?process=1``) are what a long run watches for
+growth (bench/soak.py): trio tasks alive (counted from the root task down at the scrape),
+event-bus subscribers, threads, open descriptors and resident memory. They are left out
+of a plain scrape, which then holds only what the model's work changes: two scrapes with
+nothing run between them read the same (llama-server's suite checks that of a sleeping
+server).
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ class Metrics:
     n_decode: int = 0               # llama_decode calls: one per prefill chunk and per token
     requests: int = 0
     n_tokens_max: int = 0           # the most positions one generation took (prompt + answer)
-    last_prompt_tps: float = 0.0
-    last_predicted_tps: float = 0.0
+    # the window since the last scrape (llama-server's prompt and predict buckets)
+    bucket_prompt_tokens: int = 0
+    bucket_prompt_seconds: float = 0.0
+    bucket_predicted_tokens: int = 0
+    bucket_predicted_seconds: float = 0.0
 
     def book(self, gen: Any, n_batch: int = 512) -> None:
         """One generation's counts (a `bmoe.engine.session.Generation`); `n_batch` is the
@@ -56,14 +66,31 @@ class Metrics:
         self.n_decode += -(-gen.n_prefilled // max(1, n_batch)) + max(0, n_out - 1)
         self.n_tokens_max = max(self.n_tokens_max, gen.n_prompt + n_out)
         if gen.prefill_s > 0 and gen.n_prefilled:
-            self.last_prompt_tps = gen.n_prefilled / gen.prefill_s
+            self.bucket_prompt_tokens += gen.n_prefilled
+            self.bucket_prompt_seconds += gen.prefill_s
         if gen.decode_s > 0 and n_out > 1:      # the first token cost no decode step
-            self.last_predicted_tps = (n_out - 1) / gen.decode_s
+            self.bucket_predicted_tokens += n_out - 1
+            self.bucket_predicted_seconds += gen.decode_s
+
+    def prompt_rate(self) -> float:
+        """Prompt tokens per second over the window since the last scrape (0: none ran)."""
+        s = self.bucket_prompt_seconds
+        return self.bucket_prompt_tokens / s if s > 0 else 0.0
+
+    def predicted_rate(self) -> float:
+        s = self.bucket_predicted_seconds
+        return self.bucket_predicted_tokens / s if s > 0 else 0.0
+
+    def reset_bucket(self) -> None:
+        """A scrape read the window: the next one starts empty."""
+        self.bucket_prompt_tokens = self.bucket_predicted_tokens = 0
+        self.bucket_prompt_seconds = self.bucket_predicted_seconds = 0.0
 
 
 class _Collector(Collector):
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, process: bool) -> None:
         self.state = state
+        self.process = process
 
     def collect(self) -> Iterator[Metric]:
         state = self.state
@@ -84,10 +111,11 @@ class _Collector(Collector):
         yield _gauge("n_busy_slots_per_decode", "Average number of busy slots per "
                      "llama_decode() call.", 1.0 if m.n_decode else 0.0)
         yield _gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
-                     m.last_prompt_tps)
+                     m.prompt_rate())
         yield _gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
-                     m.last_predicted_tps)
-        session = state.session
+                     m.predicted_rate())
+        # asleep (--sleep-idle-seconds), the model's figures as they were when it slept
+        session = state.session if state.session is not None else getattr(state, "asleep", None)
         kv = len(session.kv_tokens) if session is not None else 0
         n_ctx = session.n_ctx if session is not None else 0
         yield _gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
@@ -97,7 +125,8 @@ class _Collector(Collector):
                      1 if state.generating else 0)
         yield _gauge("requests_deferred", "Number of requests deferred.", state.turns.waiting)
         yield from _expert_metrics(session)
-        yield from _process_metrics(state)
+        if self.process:
+            yield from _process_metrics(state)
 
 
 def trio_tasks() -> int:
@@ -179,12 +208,15 @@ def _expert_metrics(session: Any) -> Iterator[Metric]:
                  1 if streamer is not None else 0, b)
 
 
-def exposition(state: Any) -> bytes:
-    """The text exposition of every metric, as of now."""
+def exposition(state: Any, process: bool = False) -> bytes:
+    """The text exposition of every metric, as of now (`process`: with the
+    `bmoe:process_*` gauges); the throughput window starts again."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(state))
+    registry.register(_Collector(state, process))
     # llama-server exposes this one counter without the `_total` every other counter
     # carries (its dashboards and tests read `llamacpp:n_tokens_max`); prometheus_client
     # always adds it, so the one name is respelled after the exposition is written.
-    return generate_latest(registry).replace(b"llamacpp:n_tokens_max_total",
+    text = generate_latest(registry).replace(b"llamacpp:n_tokens_max_total",
                                              b"llamacpp:n_tokens_max")
+    state.metrics.reset_bucket()
+    return text

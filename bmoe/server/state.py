@@ -3,6 +3,11 @@
 `ServerState` is the trio-side owner of the engine thread and the loaded `Session`.
 Loads and unloads are serialised; a request that needs the model while one loads
 waits for it; every state change is published as a `state` event.
+
+With ``--sleep-idle-seconds`` (bmoe/server/sleep.py) a ready model that has been idle
+that long is unloaded and kept as an `Asleep`: the state is ``empty`` with ``sleeping``
+in `/api/info`, and the next caller that needs the model (`wake`, `require_session`)
+loads it again with the values it had.
 """
 
 from __future__ import annotations
@@ -30,6 +35,30 @@ from .metrics import Metrics
 from .turns import TurnLine
 
 CTX_FOR_CLIENTS = 16384  # tokens a coding agent needs: its first request plus an answer
+
+
+class FrozenStats:
+    """The expert streamer's totals as they were when the model slept (`/metrics`)."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self._stats = dict(stats)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+
+@dataclass
+class Asleep:
+    """A model put to sleep: what loads it again, and what the read-only routes say of
+    it meanwhile (the metrics collector reads `n_ctx`, `kv_tokens`, `streamer` as it
+    reads a session's; `views` are route bodies their owners kept, by name)."""
+
+    path: str
+    values: dict[str, Any]
+    n_ctx: int
+    kv_tokens: tuple[int, ...]
+    streamer: FrozenStats | None
+    views: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +103,9 @@ class ServerState:
         self.metrics = Metrics()                 # GET /metrics (bmoe/server/metrics.py)
         self.model_aliases: tuple[str, ...] = ()  # --alias (bmoe/server/llama_compat.py)
         self.model_tags: tuple[str, ...] = ()     # --tags
+        self.asleep: Asleep | None = None        # --sleep-idle-seconds (sleep.py)
+        self.last_active = time.monotonic()      # a model route or a turn last ended
+        self._active = 0                         # model routes under way
 
     def model_name(self) -> str:
         """The name the API serves the loaded model under: the first --alias, else its
@@ -102,9 +134,56 @@ class ServerState:
             yield
         finally:
             self._generating = False
+            self.last_active = time.monotonic()
             if self._current_cancel is cancel:
                 self._current_cancel = None
             self.publish_state()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """A request to a route that runs the model: while one is under way the model
+        does not sleep, and its end starts the idle time again."""
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            self.last_active = time.monotonic()
+
+    # -- sleep (--sleep-idle-seconds) ------------------------------------------
+
+    def idle(self) -> bool:
+        """A ready model that nothing is using or waiting for."""
+        return (self.session is not None and self.state == "ready" and not self._generating
+                and self._active == 0 and self.turns.waiting == 0)
+
+    async def fall_asleep(self, views: Callable[[], dict[str, Any]]) -> bool:
+        """Unload the idle model, keeping what loads it again and `views()` (the bodies
+        read-only routes answer meanwhile); False when it is not idle after all."""
+        async with self._load_lock:
+            s = self.session
+            if s is None or not self.idle() or self.loaded_values is None:
+                return False
+            stats = getattr(s.streamer, "stats", None)
+            asleep = Asleep(str(s.path), dict(self.loaded_values), s.n_ctx,
+                            tuple(s.kv_tokens),
+                            FrozenStats(stats()) if callable(stats) else None, views())
+            await self._close_session()
+            self.asleep = asleep
+            self._set_state("empty")
+        self.bus.log("info", f"sleeping: {Path(asleep.path).name} is unloaded until a "
+                     "request needs it")
+        return True
+
+    def wake(self) -> bool:
+        """A caller needs the model: if it sleeps, start loading it again (the caller
+        waits for the load as for any other); whether it slept."""
+        asleep = self.asleep
+        if asleep is None:
+            return False
+        self.bus.log("info", f"waking: loading {Path(asleep.path).name} again")
+        self.begin_load(asleep.path, asleep.values)
+        return True
 
     def cancel_current(self) -> bool:
         """Stop the generation under way; whether there was one."""
@@ -157,6 +236,7 @@ class ServerState:
                      "ram_available_mib": round(mem_available_mib()),
                      "cpu_threads": os.cpu_count() or 1},
             "state": self.state, "error": self.error, "model": self.model_info(),
+            "sleeping": self.asleep is not None,
             "generating": self.generating, "waiting": self.turns.waiting,
             "calibrating": False,
             "devices": self.devices(),
@@ -191,6 +271,7 @@ class ServerState:
         """Start a load in the background (the 202 of POST /api/session/load)."""
         if self._nursery is None:
             raise RuntimeError("ServerState.attach() was not called")
+        self.asleep = None                 # a load (the wake's or another) ends a sleep
         self.state = "loading"
         self.error = ""
         self.load_started = time.monotonic()
@@ -253,6 +334,7 @@ class ServerState:
     async def unload(self) -> None:
         async with self._load_lock:
             await self._close_session()
+            self.asleep = None             # unloaded on purpose: nothing to wake
             self._set_state("empty")
 
     async def _close_session(self) -> None:
@@ -264,7 +346,9 @@ class ServerState:
                 await wait_future(self.engine.submit(session.close))
 
     async def require_session(self) -> Session:
-        """The loaded session; waits through a load; 503 no_model when nothing is loaded."""
+        """The loaded session (waking a sleeping one); waits through a load; 503 no_model
+        when nothing is loaded."""
+        self.wake()
         while self.state in ("loading", "planning"):   # an auto load measures first
             await self._changed.wait()
         if self.session is None or self.state != "ready":

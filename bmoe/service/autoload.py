@@ -39,15 +39,19 @@ class AutoloadState(ServerState):
             self.bus.log("info", "autoload: no model is selected yet; choose one and it "
                          "loads at every start")
 
-    def wake(self) -> None:
-        """A request needs the model: start loading the saved one unless one is there."""
+    def wake(self) -> bool:
+        """A request needs the model: wake it if it sleeps, else start loading the saved
+        one unless one is there; whether a load was started."""
+        if super().wake():
+            return True
         if self.state in ("loading", "planning") or (self.session is not None and self.state == "ready"):
-            return
+            return False
         model: Any = self.config.values.get("model")
         if not model:
             raise HTTPError(503, "no_model", NO_MODEL_SELECTED)
         self.bus.log("info", f"autoload: a request found no model loaded; loading {model}")
         self.begin_load(str(model), self.config.values)
+        return True
 
     async def require_session(self) -> Session:
         self.wake()
