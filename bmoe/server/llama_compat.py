@@ -18,7 +18,6 @@ sends is checked against the vocabulary there first.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -37,6 +36,7 @@ from ..engine.session import Session
 from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
+from ..models.download import sha256_of
 from ..http.types import Request, Response
 from . import (completions, embeddings, gcp, llama_flags, metrics, openai_chat, responses,
                shapes, wire)
@@ -260,14 +260,6 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(f".{path.name}.slot.json")
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _check_slot_file(path: Path, identity: dict[str, Any]) -> None:
     """Restore only what this server saved, whole, for this model and context: llama.cpp
     reads a state file with asserts, not checks (a file cut short aborts the process at
@@ -284,7 +276,7 @@ def _check_slot_file(path: Path, identity: dict[str, Any]) -> None:
         raise invalid_request(f"The slot file {path.name!r} was saved for another model or "
                               "context settings: restore it with those loaded.")
     try:
-        whole = path.stat().st_size == record.get("size") and _digest(path) == record.get("sha256")
+        whole = path.stat().st_size == record.get("size") and sha256_of(path) == record.get("sha256")
     except OSError:
         whole = False
     if not whole:
@@ -300,7 +292,7 @@ async def _save_kv(state: ServerState, path: Path) -> tuple[int, int]:
         path.parent.mkdir(parents=True, exist_ok=True)
         n, size = await on_engine(state, Session.save_kv, str(tmp))
         identity = await on_engine(state, Session.kv_identity)
-        digest = await trio.to_thread.run_sync(_digest, tmp)
+        digest = await trio.to_thread.run_sync(sha256_of, tmp)
         record = {"format": SLOT_FORMAT, "size": os.path.getsize(tmp), "sha256": digest,
                   "n_tokens": n, "for": identity}
         _sidecar(path).unlink(missing_ok=True)      # never a record of another file's bytes
