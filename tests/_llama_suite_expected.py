@@ -13,7 +13,8 @@ conflict with the security model or with the design (one model, one session, our
 web UI). `docs/api.md` lists them. A case that starts passing must leave the list.
 
 `CI_FILES`: the suite's files CI runs (each case starts a server: the whole baseline
-takes most of an hour on two cores); ``BMOE_LLAMA_SUITE=all`` runs every file.
+takes most of an hour on two cores), less `CI_LEAVES_OUT`; ``BMOE_LLAMA_SUITE=all`` runs
+every file.
 """
 
 from __future__ import annotations
@@ -320,6 +321,45 @@ BASELINE_PASSED: frozenset[str] = frozenset({
     'unit/test_vision_api.py::test_vision_embeddings[What is this:\\n-base64-False]',
 })
 
+ROUTER_PRESET = "It starts llama-server's router preset"
+_NO_MODEL = (
+    "It starts llama-server's router preset, a server with no model, and waits for "
+    '/health to answer 200; bmoe-server with no model answers 503 no_model (as llama-'
+    'server does while its one model is not ready), so the case fails at its start. ')
+_BUILTIN_TOOLS = _NO_MODEL + (
+    "What it tests is llama-server's /tools route: file reads, writes and edits, "
+    "searches and shell commands at any path a request names; bmoe's file tools "
+    'resolve every path inside a workspace the person added and its commands run '
+    'there, from a conversation on loopback (the security model).')
+_CORS_ORIGINS = _NO_MODEL + (
+    'What it tests is --cors-origins localhost allowing pages of any localhost port '
+    'by CORS headers; bmoe-server sends no CORS header, and another port on this host'
+    ' is exactly where a hostile local page is served from (the security model; '
+    '--cors-origins names origins as --allow-origin does).')
+_CORS_PREFLIGHT = (
+    'It sends a CORS preflight from a foreign origin and expects that origin allowed '
+    'in Access-Control-Allow-* headers; bmoe-server sends no CORS header and refuses '
+    'a browser request from any page but its own (403; 401 first without the key): '
+    'the security model.')
+_MCP_TOOLS = _NO_MODEL + (
+    "What it tests is llama-server's /tools route running the MCP servers of --mcp-"
+    "servers-json for any request, for its web UI's agent loop; bmoe's MCP servers "
+    "are its agent's, called inside a conversation, from loopback and under the "
+    "person's approvals, and no route runs a tool a request names (the security "
+    'model).')
+_PROXY = (
+    'With --ui-mcp-proxy llama-server fetches any URL a request names through /cors-'
+    'proxy for its web UI; bmoe-server fetches no address a request names (a request '
+    'forgery the security model does not open): /cors-proxy is always 403.')
+_ROUTER = _NO_MODEL + (
+    'What it tests is router mode: several models, each in a server process of its '
+    'own (--models-max, --models-preset, loads and deletes through /models); bmoe-'
+    'server serves one model in one session (the design).')
+
+def _cases(prefix: str, reason: str) -> dict[str, str]:
+    return {c: reason for c in BASELINE_PASSED if c.startswith(prefix)}
+
+
 EXCEPTIONS: dict[str, str] = {
     "unit/test_kv_keep_only_active.py::test_clear_and_restore":
         "It reads llama-server's own debug log for its __TEST_TAG_ markers of idle-slot "
@@ -338,6 +378,13 @@ EXCEPTIONS: dict[str, str] = {
         "bmoe-server ends a cut answer with response.incomplete (status incomplete, "
         "incomplete_details max_output_tokens), as OpenAI's Responses API and Codex read "
         "it. Its progress and per-token timings checks pass before that.",
+    **_cases("unit/test_mcp_servers.py::", _MCP_TOOLS),
+    **_cases("unit/test_tools_builtin.py::", _BUILTIN_TOOLS),
+    **_cases("unit/test_router.py::", _ROUTER),
+    **_cases("unit/test_proxy.py::test_mcp_proxy_", _PROXY),
+    **_cases("unit/test_security.py::test_cors_options[", _CORS_PREFLIGHT),
+    **_cases("unit/test_security.py::test_cors_origins_", _CORS_ORIGINS),
+    **_cases("unit/test_security.py::test_cors_proxy_", _PROXY),
 }
 
 CI_FILES: tuple[str, ...] = (
@@ -359,4 +406,13 @@ CI_FILES: tuple[str, ...] = (
     "unit/test_vision_api.py",
     "unit/test_sleep.py",
     "unit/test_slot_save.py",
+    "unit/test_security.py",
+    "unit/test_proxy.py",
 )
+
+# Exceptions CI does not run although their file is in CI_FILES: each starts a server with
+# no model (the router preset) and so waits the harness's 60 s for a /health 200 that does
+# not come. ``BMOE_LLAMA_SUITE=all`` runs them, and they must still fail there.
+CI_LEAVES_OUT: frozenset[str] = frozenset(
+    c for c, why in EXCEPTIONS.items()
+    if c.split("::")[0] in CI_FILES and why.startswith(ROUTER_PRESET))

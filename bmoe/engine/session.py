@@ -34,7 +34,8 @@ from .calibrate import Arm, Trial
 from . import families
 from .chatparse import detect_framing
 from .errors import Aborted, EngineError, LoadError, context_full
-from . import backend, builtin_templates, embed, kernels, params, rpc, weight_types
+from . import (backend, builtin_templates, embed, kernels, params, rpc, vocab_guard,
+               weight_types)
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
 from .sampling import (Sampling, build_chain, chain_biases, post_sampling_logprobs,
@@ -191,6 +192,13 @@ class Session:
                 "its F32 activations and its CPU kernels take it only as F32 (it would "
                 "abort at the first token). Convert the model again with a current "
                 "convert_hf_to_gguf, which writes norms, biases and token types in F32.")
+        twice = vocab_guard.first_duplicate(self.path)
+        if twice is not None:
+            raise LoadError(
+                f"{self.path.name} has a broken vocabulary: token {twice.first} and token "
+                f"{twice.again} are both {twice.shown()}, and llama.cpp stops the whole "
+                "process on loading such a file. Convert the model again (the converter "
+                "added a token the vocabulary already had).")
         self.arch = ""
         endpoints = _rpc_endpoints(self.values)
         split = None

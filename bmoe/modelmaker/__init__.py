@@ -75,7 +75,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -867,13 +867,18 @@ def make_model(path: str | os.PathLike[str], **params: object) -> Path:
     byte-identical files.
     """
     spec = ModelSpec(**params)  # type: ignore[arg-type]
+    return write_atomically(path, lambda tmp: _write(spec, tmp))
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """`write` a file into a temporary name beside `path`, then rename it into place."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(name)
     try:
-        _write(spec, tmp)
+        write(tmp)
         tmp.chmod(0o644)  # mkstemp makes it private; a model file is not a secret
         os.replace(tmp, target)
     finally:

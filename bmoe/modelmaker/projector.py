@@ -28,14 +28,13 @@ arguments give the same bytes.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from bmoe.modelmaker import make_model
+from bmoe.modelmaker import make_model, write_atomically
 
 
 @dataclass(frozen=True)
@@ -141,18 +140,7 @@ def _write(spec: ProjectorSpec, path: Path) -> None:
 def make_projector(path: str | os.PathLike[str], **params: object) -> Path:
     """Write a projector file (a temp file, then a rename) and return its path."""
     spec = ProjectorSpec(**params)  # type: ignore[arg-type]
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        _write(spec, tmp)
-        tmp.chmod(0o644)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    return write_atomically(path, lambda tmp: _write(spec, tmp))
 
 
 def make_vision_pair(

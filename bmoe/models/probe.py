@@ -141,6 +141,28 @@ class _Cursor:
             raise Truncated(pos)
         self.pos = pos
 
+    def raw_strings(self) -> list[bytes]:
+        """An array of strings, every item kept as its bytes (a vocabulary, read whole)."""
+        etype, count = self.u32(), self.u64()
+        if etype != _STRING:
+            raise Unreadable(f"an array the probe reads whole holds values of type {etype}")
+        if count > HEADER_CAP // 8:
+            raise Unreadable(f"an array in the header claims {count} items")
+        buf, pos, end, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        items = []
+        for _ in range(count):
+            if pos + 8 > end:
+                raise Truncated(pos + 8)
+            (n,) = unpack(buf, pos)
+            if n > HEADER_CAP:
+                raise Unreadable("a string in the header is longer than any header we read")
+            if pos + 8 + n > end:
+                raise Truncated(pos + 8 + n)
+            items.append(bytes(buf[pos + 8:pos + 8 + n]))
+            pos += 8 + n
+        self.pos = pos
+        return items
+
     def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.scalar(vtype)
@@ -196,8 +218,10 @@ def tensor_bytes(dims: Sequence[int], qtype: int) -> int:
     return count // block * size
 
 
-def parse_header(buf: bytes | bytearray | memoryview) -> Header:
-    """The header at the start of ``buf``; ``Truncated`` or ``Unreadable`` otherwise."""
+def parse_header(buf: bytes | bytearray | memoryview,
+                 whole: frozenset[str] = frozenset()) -> Header:
+    """The header at the start of ``buf``; ``Truncated`` or ``Unreadable`` otherwise.
+    The string arrays named in ``whole`` are kept whatever their length, as bytes."""
     c = _Cursor(buf)
     c.need(4)
     if bytes(c.buf[:4]) != b"GGUF":
@@ -216,7 +240,11 @@ def parse_header(buf: bytes | bytearray | memoryview) -> Header:
     kv: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string(limit=MAX_KEY_BYTES)
-        kv[key or ""] = c.value(c.u32())
+        vtype = c.u32()
+        if key in whole and vtype == _ARRAY:
+            kv[key] = c.raw_strings()
+        else:
+            kv[key or ""] = c.value(vtype)
     tensors = [_tensor_info(c) for _ in range(n_tensors)]
     align = kv.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
@@ -241,7 +269,8 @@ def _tensor_info(c: _Cursor) -> TensorInfo:
 Fetch = Callable[[int, int], bytes]   # (offset, length) -> up to length bytes from offset
 
 
-def read_header(fetch: Fetch, cap: int = HEADER_CAP) -> Header:
+def read_header(fetch: Fetch, cap: int = HEADER_CAP,
+                whole: frozenset[str] = frozenset()) -> Header:
     """Fetch more of the file while the header goes on (Unreadable past ``cap``)."""
     buf = bytearray()
     want = FIRST_READ
@@ -250,7 +279,7 @@ def read_header(fetch: Fetch, cap: int = HEADER_CAP) -> Header:
         more = fetch(len(buf), ask)
         buf += more
         try:
-            return parse_header(buf)
+            return parse_header(buf, whole)
         except Truncated as t:
             if len(more) < ask:   # the file itself ended
                 raise Unreadable("the file ends inside its header") from None
@@ -267,9 +296,10 @@ def file_fetch(path: str | os.PathLike[str]) -> Fetch:
     return fetch
 
 
-def read_file_header(path: str | os.PathLike[str]) -> Header:
+def read_file_header(path: str | os.PathLike[str],
+                     whole: frozenset[str] = frozenset()) -> Header:
     try:
-        return read_header(file_fetch(path))
+        return read_header(file_fetch(path), whole=whole)
     except OSError as e:
         raise Unreadable(f"the file could not be read ({e.strerror or 'input/output error'})") \
             from None

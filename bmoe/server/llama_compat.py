@@ -90,8 +90,19 @@ def register(table: RouteTable, state: ServerState) -> None:
     add("GET", "/api/tags", ollama_tags)
     add("POST", "/api/show", ollama_show)
     add("POST", "/shutdown", shutdown, access=Access.LOCAL_ONLY)
+    for method in ("GET", "POST"):
+        add(method, "/cors-proxy", cors_proxy, **llama)
     gcp.register(table)                 # Vertex AI's /predict, with AIP_MODE=PREDICTION
     embeddings.register(table, state, on_engine)   # with --embedding / --reranking
+
+
+async def cors_proxy(state: ServerState, request: Request) -> Response:
+    """llama-server's web UI fetches other hosts through it (with --ui-mcp-proxy) and is
+    refused with 403 without the flag. bmoe-server forwards nothing (its agent reaches
+    MCP servers itself): always the refusal."""
+    raise HTTPError(403, "no_proxy", "bmoe-server has no CORS proxy and fetches no other "
+                    "host for a page. Give its agent the MCP servers instead "
+                    "(--mcp-servers-config FILE).")
 
 
 def not_supported(message: str) -> HTTPError:
