@@ -122,9 +122,9 @@ def test_kimi_keeps_its_own_id_on_messages(kimi: ServerProcess) -> None:
                                  {"role": "user", "content": [{"type": "tool_result",
                                                                "tool_use_id": use["id"],
                                                                "content": "sunny"}]}])
-    # the model calls again: the conversation holds its id, so this call gets a new one
+    # the model calls again: its ids count the conversation's calls, so this one is :1
     (use2,) = [b for b in again["content"] if b["type"] == "tool_use"]
-    assert use2["id"] != KIMI_ID and use2["id"].startswith("toolu_")
+    assert use2["id"] == "functions.get_weather:1"
 
 
 def test_kimi_keeps_its_own_id_on_responses(kimi: ServerProcess) -> None:
@@ -135,7 +135,7 @@ def test_kimi_keeps_its_own_id_on_responses(kimi: ServerProcess) -> None:
                                   {"type": "function_call_output", "call_id": call["call_id"],
                                    "output": "sunny"}])
     (call2,) = [i for i in again["output"] if i["type"] == "function_call"]
-    assert call2["call_id"] != KIMI_ID
+    assert call2["call_id"] == "functions.get_weather:1"
 
 
 def test_mistral_ids_are_the_ones_its_template_takes(mistral: ServerProcess) -> None:

@@ -635,3 +635,37 @@ def test_coder_bounded_and_enum_strings() -> None:
     assert g.matches(call.format(c="red", t="ab"))
     assert not g.matches(call.format(c="green", t="ab"))
     assert not g.matches(call.format(c="blue", t="abcd"))
+
+
+def _kimi(name: str, index: int, args: dict[str, Any]) -> str:
+    return (f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>"
+            f"{json.dumps(args)}<|tool_call_end|>")
+
+
+def test_sampler_follows_kimis_numbered_calls(vocab: VocabSampler) -> None:
+    """Kimi K2 numbers its call ids over the conversation (functions.NAME:N): a forced
+    answer goes on from the calls the conversation holds, one id after another."""
+    begin, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    one = tool_call_grammar("kimi_k2", TOOLS, allow_reasoning=False, first_index=3)
+    assert vocab.accepts(one, begin + _kimi("ping", 3, {}) + end)
+    assert not vocab.accepts(one, begin + _kimi("ping", 0, {}) + end)
+    assert not vocab.accepts(one, begin + _kimi("ping", 3, {}) + _kimi("ping", 4, {}) + end)
+    many = tool_call_grammar("kimi_k2", TOOLS, allow_reasoning=False, parallel=True,
+                             first_index=2)
+    calls = [_kimi("get_weather", 2, {"city": "Rome", "days": 1}), _kimi("ping", 3, {}),
+             _kimi("ping", 4, {})]
+    assert vocab.accepts(many, begin + "".join(calls) + end)
+    assert not vocab.accepts(many, begin + calls[0] + calls[0] + end)   # an id twice
+    eight = "".join(_kimi("ping", 2 + k, {}) for k in range(8))
+    assert vocab.accepts(many, begin + eight + end)
+    assert not vocab.accepts(many, begin + eight + _kimi("ping", 10, {}) + end)
+
+
+def test_calls_so_far_counts_the_assistants_calls() -> None:
+    from bmoe.engine.turn import calls_so_far
+    call = {"id": "x", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+    assert calls_so_far([{"role": "user", "content": "hi"}]) == 0
+    assert calls_so_far([{"role": "assistant", "content": None, "tool_calls": [call, call]},
+                         {"role": "tool", "tool_call_id": "x", "content": "1"},
+                         {"role": "assistant", "content": "ok", "tool_calls": None},
+                         {"role": "assistant", "tool_calls": [call]}]) == 3

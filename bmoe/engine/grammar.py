@@ -436,13 +436,16 @@ def function_tools(tools: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str,
 
 
 def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reasoning: bool,
-                      starts_in_reasoning: bool = False, parallel: bool = False) -> str:
+                      starts_in_reasoning: bool = False, parallel: bool = False,
+                      first_index: int = 0) -> str:
     """The output of a turn that must call a tool, in the template's framing.
 
     ``starts_in_reasoning``: the prompt left ``<think>`` open, so the output begins
     inside the span and must close it (at once, when reasoning is not allowed).
     ``parallel``: several calls may follow each other (else exactly one, as
     llama.cpp's server does unless ``parallel_tool_calls`` is set).
+    ``first_index``: the calls the conversation holds already, for the families that
+    number their call ids over the conversation (Kimi K2).
     """
     functions = function_tools(tools)
     if framing == HERMES:
@@ -454,7 +457,8 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
         # exception in .importlinter: one module split in two, the cycle kept inside).
         from .families.grammar_calls import family_call_grammar
         return family_call_grammar(framing, tools, allow_reasoning=allow_reasoning,
-                                   starts_in_reasoning=starts_in_reasoning, parallel=parallel)
+                                   starts_in_reasoning=starts_in_reasoning, parallel=parallel,
+                                   first_index=first_index)
     rules = conv._rules
     more = " ( bmoe-gap bmoe-call )*" if parallel else ""
     rules["root"] = f"{_reasoning_prefix(rules, allow_reasoning, starts_in_reasoning)}" \
@@ -465,7 +469,8 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     return _format(conv, "tools")
 
 
-def tool_call_heads(framing: str, tools: list[dict[str, Any]]) -> list[str]:
+def tool_call_heads(framing: str, tools: list[dict[str, Any]], first_index: int = 0
+                    ) -> list[str]:
     """The literal beginning of each call `tool_call_grammar` (no reasoning) holds, up to
     the arguments (`triggers`: the text a lazy grammar may be handed at its trigger)."""
     if framing == HERMES:
@@ -473,7 +478,7 @@ def tool_call_heads(framing: str, tools: list[dict[str, Any]]) -> list[str]:
     if framing == QWEN3_CODER:
         return [f"{CALL_OPEN}\n<function={name}>\n" for name, _ in function_tools(tools)]
     from .families.grammar_calls import call_heads   # the documented exception, as above
-    return call_heads(framing, tools)
+    return call_heads(framing, tools, first_index)
 
 
 def tool_where(index: int, name: str) -> str:

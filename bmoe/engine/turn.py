@@ -233,7 +233,8 @@ def choose_grammar(req: TurnRequest, framing: str | None,
             return gbnf.tool_call_grammar(framing, tools,
                                           allow_reasoning=req.think and req.grammar_reasoning,
                                           starts_in_reasoning=starts_in_reasoning,
-                                          parallel=req.parallel_calls)
+                                          parallel=req.parallel_calls,
+                                          first_index=calls_so_far(req.messages))
         if req.schema is not None:
             # An answer schema constrains the answer, not the reasoning before it.
             return gbnf.json_schema_grammar(req.schema,
@@ -242,25 +243,34 @@ def choose_grammar(req: TurnRequest, framing: str | None,
         if req.grammar:
             return req.grammar
         if req.tools and req.tool_choice == "auto" and framing is not None:
-            return _lazy_call_grammar(framing, req.tools)
+            return _lazy_call_grammar(framing, req.tools, calls_so_far(req.messages))
     except ValueError as e:
         raise EngineError("invalid_request", str(e), param=getattr(e, "path", None)) from None
     return None
 
 
-def _lazy_call_grammar(framing: str, tools: list[dict[str, Any]]) -> "LazyGrammar | None":
+def calls_so_far(messages: list[dict[str, Any]]) -> int:
+    """The tool calls the conversation's assistant messages hold."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages
+               if isinstance(m, dict) and m.get("role") == "assistant"
+               and isinstance(m.get("tool_calls") or (), list))
+
+
+def _lazy_call_grammar(framing: str, tools: list[dict[str, Any]], first_index: int = 0
+                       ) -> "LazyGrammar | None":
     """Free text, until the model opens a call: from there the call must name an offered
     tool with arguments that match it (as llama.cpp's server does). A tool list the grammar
     cannot express leaves the calls unconstrained rather than refusing a turn that may
     never call a tool."""
     try:
-        text = gbnf.tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True)
+        text = gbnf.tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True,
+                                      first_index=first_index)
     except ValueError as e:
         log.warning("tool calls will not be held to a grammar: %s", e)
         return None
     fam = families.family(framing)
     words = list(fam.triggers) if fam is not None and fam.triggers else [CALL_OPEN]
-    return LazyGrammar(text, words, gbnf.tool_call_heads(framing, tools))
+    return LazyGrammar(text, words, gbnf.tool_call_heads(framing, tools, first_index))
 
 
 @dataclass

@@ -22,13 +22,22 @@ _LISTED = {
 }
 
 
-def _json_family(framing: str, name: str) -> tuple[str, str]:
+KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+KIMI_MAX_CALLS = 8   # calls one forced Kimi answer may make (each id is spelled out)
+
+
+def _kimi_head(name: str, index: int) -> str:
+    """Kimi's call id is functions.NAME:N, N counting the conversation's calls from 0."""
+    return f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>"
+
+
+def _json_family(framing: str, name: str, first_index: int = 0) -> tuple[str, str]:
     """(text before the arguments, text after) of one call."""
     if framing == GPT_OSS:
         return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""
     if framing == KIMI_K2:
-        return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0"
-                "<|tool_call_argument_begin|>", "<|tool_call_end|><|tool_calls_section_end|>")
+        return (KIMI_SECTION[0] + _kimi_head(name, first_index),
+                "<|tool_call_end|>" + KIMI_SECTION[1])
     if framing == DEEPSEEK_V31:
         return f"{DS_CALLS}{DS_CALL}{name}{DS_SEP}", f"{DS_CALL_END}{DS_CALLS_END}"
     if framing == DEEPSEEK_R1:
@@ -48,9 +57,15 @@ def _json_family(framing: str, name: str) -> tuple[str, str]:
 
 
 def family_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reasoning: bool,
-                        starts_in_reasoning: bool = False, parallel: bool = False) -> str:
+                        starts_in_reasoning: bool = False, parallel: bool = False,
+                        first_index: int = 0) -> str:
+    """``first_index``: the calls the conversation holds already (Kimi numbers its ids
+    over the conversation)."""
     functions = g.function_tools(tools)
     conv = g._Converter()
+    if framing == KIMI_K2:
+        return _kimi_grammar(conv, functions, allow_reasoning, starts_in_reasoning,
+                             KIMI_MAX_CALLS if parallel else 1, first_index)
     bodies = []
     for i, (name, params) in enumerate(functions):
         with g._explained(g.tool_where(i, name)):
@@ -80,7 +95,30 @@ def family_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reas
     return g._format(conv, "tools")
 
 
-def call_heads(framing: str, tools: list[dict[str, Any]]) -> list[str]:
+def _kimi_grammar(conv: Any, functions: list[tuple[str, Any]], allow_reasoning: bool,
+                  starts_in_reasoning: bool, n_calls: int, first: int) -> str:
+    """One section of up to ``n_calls`` calls, the k-th with the id functions.NAME:first+k
+    (as the model numbers them, so the ids stay unique over the conversation)."""
+    args = []
+    for i, (name, params) in enumerate(functions):
+        with g._explained(g.tool_where(i, name)):
+            params = conv.resolve_refs(copy.deepcopy(params), f"tool{i}")
+            args.append((name, conv.visit(params, f"tool{i}")))
+    rules = conv._rules
+    chain = ""
+    for k in reversed(range(n_calls)):
+        rule = f"bmoe-call-{k}"
+        rules[rule] = "( " + " | ".join(
+            f'{g.gbnf_literal(_kimi_head(name, first + k))} {a} '
+            f'{g.gbnf_literal("<|tool_call_end|>")}' for name, a in args) + " )"
+        chain = f"{rule}" + (f" ( {chain} )?" if chain else "")
+    calls = f"{g.gbnf_literal(KIMI_SECTION[0])} {chain} {g.gbnf_literal(KIMI_SECTION[1])}"
+    rules["bmoe-gap"] = g.GAP_RULE          # the reasoning prefix's rules use it
+    rules["root"] = f"{_prefix(KIMI_K2, rules, allow_reasoning, starts_in_reasoning)}{calls}"
+    return g._format(conv, "tools")
+
+
+def call_heads(framing: str, tools: list[dict[str, Any]], first_index: int = 0) -> list[str]:
     """The literal text each call of `family_call_grammar` (without reasoning) starts
     with, up to its arguments: where a lazy trigger may hand the text to the grammar."""
     heads = []
@@ -92,7 +130,7 @@ def call_heads(framing: str, tools: list[dict[str, Any]]) -> list[str]:
         elif framing == LFM2:
             head = f"{name}("
         else:
-            head = _json_family(framing, name)[0]
+            head = _json_family(framing, name, first_index)[0]
         heads.append(_LISTED[framing][0] + head if framing in _LISTED else head)
         if framing == LLAMA3:
             heads.append(PYTHON_TAG + head)
