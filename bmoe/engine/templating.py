@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
-from datetime import datetime
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import jinja2
@@ -81,6 +82,33 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       separators=separators, sort_keys=sort_keys, default=_as_list)
 
 
+@dataclass(frozen=True)
+class Caps:
+    system_role: bool          # a system message is rendered (else: folded into the next)
+    string_arguments: bool     # a call's arguments are read as text only (else: an object)
+
+
+_SYSTEM_MARK = "bmoe-system-probe-5d1c"
+_SYSTEM_PROBE = [{"role": "system", "content": _SYSTEM_MARK},
+                 {"role": "user", "content": "Hello"}]
+_ARG_MARK = "bmoe-argument-probe-7e2a"
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe_tool", "description": "A tool.",
+    "parameters": {"type": "object", "properties": {"probe_arg": {"type": "string"}}}}}]
+
+
+def _call_probe(as_object: bool) -> list[dict[str, Any]]:
+    args: Any = {"probe_arg": _ARG_MARK}
+    call = {"id": "call_probe", "type": "function",
+            "function": {"name": "probe_tool",
+                         "arguments": args if as_object else json.dumps(args)}}
+    return [{"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_probe", "name": "probe_tool",
+             "content": "ok"},
+            {"role": "user", "content": "Thanks"}]
+
+
 class ChatTemplate:
     def __init__(self, text: str, *, bos_token: str = "", eos_token: str = "") -> None:
         env = _Sandbox(
@@ -96,6 +124,54 @@ class ChatTemplate:
         self._template = env.from_string(text)
         self._bos = bos_token
         self._eos = eos_token
+        self._caps: Caps | None = None
+
+    @property
+    def caps(self) -> "Caps":
+        """What the template does with a system message and a call's arguments, tried
+        once on sample conversations (as llama.cpp's `jinja::caps` does)."""
+        if self._caps is None:
+            as_object = self._try(_call_probe(True))
+            # an object printed as it is comes out as Python's repr, not the JSON its
+            # model was trained on: such a template reads the arguments as text
+            printed = as_object is None or _ARG_MARK not in as_object \
+                or f"'probe_arg': '{_ARG_MARK}'" in as_object
+            as_text = self._try(_call_probe(False))
+            system = self._try(_SYSTEM_PROBE)
+            self._caps = Caps(system_role=system is not None and _SYSTEM_MARK in system,
+                              string_arguments=printed and as_text is not None
+                              and _ARG_MARK in as_text)
+        return self._caps
+
+    def _try(self, messages: list[dict[str, Any]]) -> str | None:
+        for tools in (None, _PROBE_TOOLS):      # some templates render only with tools
+            try:
+                return self._apply(messages, tools, False, True, None)
+            except Exception:        # a template may refuse the sample: it does not show it
+                continue
+        return None
+
+    def adapt(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as this template takes it (llama.cpp's workarounds): a system
+        message folded into the next one where the template has no system role; a call's
+        arguments as JSON text where the template reads them only as text."""
+        caps = self.caps
+        fold = not caps.system_role and bool(messages) and messages[0].get("role") == "system"
+        if not fold and not caps.string_arguments:
+            return messages
+        out = copy.deepcopy(messages)
+        if fold:
+            first = out.pop(0)
+            if out and isinstance(out[0].get("content"), str) \
+                    and isinstance(first.get("content"), str):
+                out[0] = {**out[0], "content": first["content"] + "\n" + out[0]["content"]}
+        if caps.string_arguments:
+            for m in out:
+                for call in m.get("tool_calls") or ():
+                    fn = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(fn, dict) and not isinstance(fn.get("arguments"), str):
+                        fn["arguments"] = json.dumps(fn.get("arguments"), ensure_ascii=False)
+        return out
 
     def render(
         self,
@@ -106,6 +182,12 @@ class ChatTemplate:
         enable_thinking: bool = True,
         extra: dict[str, Any] | None = None,
     ) -> str:
+        return self._apply(self.adapt(messages), tools, add_generation_prompt,
+                           enable_thinking, extra)
+
+    def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool, enable_thinking: bool,
+               extra: dict[str, Any] | None) -> str:
         # llama.cpp's extra context: today's date in the two forms templates read (Llama
         # 3.x's date_string, firefunction's datetime); a request's variables win
         now = datetime.now()
