@@ -11,7 +11,10 @@ anthropic messages, openai Responses), non-streamed chats, a stream dropped mid-
 (a client that disconnects), `POST /api/cancel` mid-stream, event streams
 (`GET /api/events`) and WebSockets (`GET /api/ws`) held for a random while, decide,
 `GET /api/models`, `GET /api/plan?cached=1`, config writes (`PUT /api/config`, top-k),
-and llama-server's `/completion`, `/tokenize`, `/props`. At most 12 turn clients and 4
+llama-server's `/completion`, `/tokenize`, `/props`; on the resident server, which serves
+a vision pair (the model maker's MoE with its projector), chats with an image through the
+openai SDK; and agent conversations: created, given a message that the agent answers on
+the server's own model, read until the round ends, deleted. At most 12 turn clients and 4
 live event streams per server, below the spec's limits (16 waiting turns, 8 streams), so a
 503 is a failure too.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
+import io
 import json
 import os
 import random
@@ -49,6 +53,7 @@ import anthropic  # noqa: E402
 import openai  # noqa: E402
 
 from bmoe.modelmaker import make_model  # noqa: E402
+from bmoe.modelmaker.projector import make_vision_pair  # noqa: E402
 
 MOE = dict(n_layer=4, n_embd=128, n_expert=8, n_expert_used=4, n_ff_exp=64,
            residual_scale=0.3)
@@ -62,8 +67,10 @@ PROMPTS = ["Hello there! What is the weather like in Paris today?",
 # -- the servers --------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, name: str, model: Path, data: Path, *args: str) -> None:
+    def __init__(self, name: str, model: Path, data: Path, *args: str,
+                 vision: bool = False) -> None:
         self.name = name
+        self.vision = vision
         cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data),
                "--no-auto", "--threads", "1", "--metrics", "-m", str(model), "-c", "4096",
                *args]
@@ -129,6 +136,13 @@ class Server:
 
 # -- the clients --------------------------------------------------------------------------
 
+def png(colour: tuple[int, ...], size: tuple[int, int]) -> str:
+    from PIL import Image
+    b = io.BytesIO()
+    Image.new("RGB", size, colour).save(b, "PNG")
+    return "data:image/png;base64," + base64.b64encode(b.getvalue()).decode()
+
+
 class Tally:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -175,7 +189,9 @@ class Client(threading.Thread):
                    (self.chat_cancelled, 1), (self.messages_stream, 3),
                    (self.responses_stream, 3), (self.events, 2), (self.websocket, 2),
                    (self.decide, 1), (self.reads, 3), (self.config_write, 1),
-                   (self.llama_routes, 3)]
+                   (self.llama_routes, 3), (self.agent_run, 1)]
+        if self.srv.vision:
+            actions.append((self.image_chat, 2))
         fns, weights = zip(*actions, strict=True)
         while not self.stop_ev.is_set():
             if not self.go.is_set():
@@ -326,6 +342,53 @@ class Client(threading.Thread):
                          {"values": {"top-k": self.rng.randint(20, 60)}})
         self.tally.add(self.srv.name, "config_write", status)
 
+    def image_chat(self) -> None:
+        colour = tuple(self.rng.randint(0, 255) for _ in range(3))
+        size = (self.rng.randint(8, 96), self.rng.randint(8, 96))
+        with self._oa() as c:
+            stream = c.chat.completions.create(
+                model="m", max_tokens=self.rng.randint(2, 16), stream=self.rng.random() < 0.5,
+                messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "What colour is this?"},
+                    {"type": "image_url", "image_url": {"url": png(colour, size)}}]}])
+            if not isinstance(stream, openai.types.chat.ChatCompletion):
+                for _ in stream:
+                    pass
+        self.tally.add(self.srv.name, "image_chat", 200)
+
+    def agent_run(self) -> None:
+        """A conversation of the agent (no workspace: the model answers, no tools), read
+        until its round ends, then deleted."""
+        status, conv = _raw(self.srv, "POST", "/api/conversations", {})
+        self.tally.add(self.srv.name, "agent_create", status)
+        if status != 201 and status != 200:
+            return
+        cid = conv["id"]
+        status, _ = _raw(self.srv, "POST", f"/api/conversations/{cid}/messages",
+                         {"text": self._prompt()})
+        self.tally.add(self.srv.name, "agent_message", status)
+        end = time.monotonic() + 120
+        state = "running"
+        while status == 202 and time.monotonic() < end:
+            got, body = _raw(self.srv, "GET", f"/api/conversations/{cid}")
+            state = body.get("state", "") if isinstance(body, dict) else ""
+            if got != 200 or state not in ("running", "queued", "streaming"):
+                if got == 200 and state == "error":      # the round failed: say why
+                    notes = [i.get("text", "") for i in body.get("items", [])
+                             if i.get("kind") == "notice"]
+                    self.tally.add(self.srv.name, "agent_read", "stream_error",
+                                   notes[-1] if notes else "the round ended in error")
+                else:
+                    self.tally.add(self.srv.name, "agent_read", got)
+                break
+            time.sleep(0.2)
+        else:
+            if status == 202:
+                self.tally.add(self.srv.name, "agent_read", "client_error",
+                               f"the round did not end in 120 s ({state})")
+        status, _ = _raw(self.srv, "DELETE", f"/api/conversations/{cid}")
+        self.tally.add(self.srv.name, "agent_delete", status)
+
     def llama_routes(self) -> None:
         status, _ = _raw(self.srv, "POST", "/completion",
                          {"prompt": self._prompt(), "n_predict": self.rng.randint(2, 12)})
@@ -366,11 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     warmup = min(300.0, max(30.0, total / 5))
     work = Path(tempfile.mkdtemp(prefix="bmoe-soak-"))
     model = make_model(work / "tiny-moe.gguf", **MOE)
+    seeing, projector = make_vision_pair(work / "vision", **MOE)
     (work / "streamed").mkdir()
     (work / "resident").mkdir()
     servers = [Server("streamed", model, work / "streamed" / "data", "--moe-stream",
                       "--cache-mb", "2", "--io-threads", "2"),
-               Server("resident", model, work / "resident" / "data", "--no-moe-stream")]
+               Server("resident", seeing, work / "resident" / "data", "--no-moe-stream",
+                      "--mmproj", str(projector), vision=True)]
     tally, stop, go = Tally(), threading.Event(), threading.Event()
     # at most 4 live event streams / WebSockets per server (shared by its clients), under
     # the spec's 8
