@@ -127,3 +127,15 @@ def test_search_inspect_add_download_cancel_resume_delete(
     assert [e for e in w.errors() if "400" in e] == [
         "Failed to load resource: the server responded with a status of 400 ()"]
     w.assert_clean(allow=lambda text: "status of 400" in text)
+
+
+def test_the_catalog_rows_say_their_chat_format(page: tuple[Watched, ServerProcess]) -> None:
+    w, _ = page
+    from bmoe.models.catalog import load_shipped
+    wanted = {e.id: e.chat_format_name for e in load_shipped()}
+    rows = w.page.evaluate("() => [...document.querySelectorAll('#catalog .lib-row')].map("
+                           "r => [r.dataset.id, r.querySelector('.lib-format')?.textContent])")
+    shown = {rid: text for rid, text in rows if rid in wanted}
+    assert shown, rows
+    for rid, text in shown.items():
+        assert text and wanted[rid] in text, (rid, text)

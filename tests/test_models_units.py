@@ -191,3 +191,17 @@ def test_the_file_listing_groups_sets_and_takes_lfs_ids() -> None:
         ("mmproj-m-F16.gguf", "projector", 1, True)]
     assert models[0].bytes == 30 and models[0].files[0].sha256 == sha
     assert models[2].files[0].sha256 == ""
+
+
+def test_every_shipped_model_names_its_chat_format() -> None:
+    """The Models screen says which format each catalog model writes its reasoning and
+    tool calls in: an engine family, named as /api/info names it."""
+    from bmoe.engine.families import FAMILIES
+    from bmoe.models.catalog import load_shipped
+    entries = load_shipped()
+    assert entries
+    for e in entries:
+        assert e.chat_format in FAMILIES, (e.id, e.chat_format)
+        assert e.chat_format_name == FAMILIES[e.chat_format].label, e.id
+        out = e.to_json()
+        assert out["chat_format"] == e.chat_format

@@ -75,6 +75,8 @@ class Entry:
     files: list[CatalogFile]
     quant: str = ""
     blurb: str = ""
+    chat_format: str = ""       # the engine's name of its chat format ("gpt_oss")
+    chat_format_name: str = ""  # ... as people read it ("GPT-OSS Harmony")
     added: bool = False
     repo: str = ""
     revision: str = ""
@@ -89,6 +91,9 @@ class Entry:
             "id": self.id, "title": self.title, "quant": self.quant,
             "file": self.files[0].name if self.files else "", "bytes": self.bytes,
             "files": [f.to_json() for f in self.files], "blurb": self.blurb}
+        if self.chat_format:
+            out["chat_format"] = self.chat_format
+            out["chat_format_name"] = self.chat_format_name or self.chat_format
         if self.added:
             out["added"] = True
             if self.repo:
@@ -159,7 +164,9 @@ def entry_from_json(d: Any, *, added: bool, http_origin: str = "") -> tuple[Entr
         id=eid, title=title or eid,
         files=[CatalogFile(f["name"], int(f.get("bytes", 0)), f["url"], f.get("sha256") or "")
                for f in files],
-        quant=_text(d, "quant") or quant_of(names[0]), blurb=_text(d, "blurb"), added=added,
+        quant=_text(d, "quant") or quant_of(names[0]), blurb=_text(d, "blurb"),
+        chat_format=_text(d, "chat_format"), chat_format_name=_text(d, "chat_format_name"),
+        added=added,
         repo=_text(d, "repo"), revision=_text(d, "revision"))
     return entry, ""
 

@@ -197,6 +197,7 @@ export class ModelsLibrary {
           h('span', { class: `pill status-${status}`, text: { on_disk: 'on disk', downloading: 'downloading', available: r.partial ? 'partial' : 'available' }[status] || status })),
         h('div', { class: 'lib-facts', text: [r.bytes ? fmtGB(r.bytes) : 'size unknown', r.files.length > 1 ? `${r.files.length} files` : r.file].join(' · ') }),
         r.blurb ? h('div', { class: 'lib-blurb', text: r.blurb }) : null,
+        r.chat_format ? h('div', { class: 'lib-format', dataset: { format: r.chat_format }, text: `Chat format: ${r.chat_format_name || r.chat_format} (reasoning and tool calls read in it)` }) : null,
         progress ? h('div', { class: 'dl-progress' },
           h('progress', { class: 'dl-bar', max: String(progress.max || 1), value: String(progress.max ? progress.value : 0) }),
           h('span', { class: 'dl-text', text: progress.text }),
