@@ -32,7 +32,9 @@ class WorkerChild:
     def __init__(self, worker: Path, *args: str, env: dict[str, str] | None = None,
                  timeout_s: float = 60.0) -> None:
         self.argv = [sys.executable, str(worker), *args]
-        self.env = dict(os.environ, **(env or {}))
+        # a child may be meant to die: ggml's abort would first run gdb for a backtrace,
+        # which takes minutes on a loaded machine
+        self.env = {**os.environ, "GGML_NO_BACKTRACE": "1", **(env or {})}
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen[str] | None = None
         self.hello: dict[str, Any] = {}
