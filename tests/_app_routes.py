@@ -7,7 +7,7 @@ from functools import cache
 from types import SimpleNamespace
 
 from bmoe.http.routes import Access, RouteTable
-from bmoe.server.routes import build_routes
+from bmoe.server.main import all_routes as build_routes
 
 # The spec's local-only routes that are built: models (delete, add from a link, folders),
 # the agent's reach into this computer, llama-server's /shutdown, and the backend-pack

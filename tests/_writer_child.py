@@ -50,7 +50,7 @@ def catalog(folder: Path) -> None:
 
 
 def config(folder: Path) -> None:
-    from bmoe.server.config import ConfigStore
+    from bmoe.runtime.config import ConfigStore
     store = ConfigStore(folder, {})
     n = int(store.state()["values"].get("n-predict") or 0)
     while True:

@@ -496,7 +496,7 @@ def test_kill_9_during_conversation_writes(tmp_path: Path, provider: Scripted,
 async def test_a_message_while_the_server_stops_is_503(tmp_path: Path) -> None:
     from bmoe.agent.service import AgentService
     from bmoe.http.errors import HTTPError
-    from bmoe.server.events import EventBus
+    from bmoe.runtime.events import EventBus
 
     class State:
         bus = EventBus()

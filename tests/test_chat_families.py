@@ -12,8 +12,8 @@ import json
 import random
 
 import pytest
-
 from _llama_templates import read_template
+
 from bmoe.engine import families
 from bmoe.engine import grammar as gbnf
 from bmoe.engine.chatparse import ChatDeltaStream, detect_framing
@@ -808,7 +808,7 @@ def test_reasoning_format_none_keeps_the_familys_own_markers() -> None:
     """llama-server's --reasoning-format none beside tools: the reasoning goes back into
     the content in the family's own markers (Gemma 4's thought channel), calls still read."""
     from bmoe.engine.turn import Prepared, TurnRequest
-    from bmoe.server.turnevents import TurnOutput
+    from bmoe.runtime.turnevents import TurnOutput
     text = ("<|channel>thought\nLet me see.<channel|>"
             '<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>')
     prepared = Prepared("", [], False, "gemma4", None, 0, family="gemma4")

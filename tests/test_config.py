@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from bmoe.engine import params
-from bmoe.server import config
-from bmoe.server.config import ConfigStore, OutsideModelsDir, confine_model_path
+from bmoe.runtime.config import ConfigStore, OutsideModelsDir, confine_model_path
+from bmoe.runtime import config
 
 SERVER_DEFAULTS = params.defaults(server=True)
 

@@ -12,10 +12,21 @@ import pytest
 from bmoe.engine.chatparse import BlockAppend, BlockClose, BlockOpen, ParseView, ToolCallView
 from bmoe.engine.errors import EngineError, context_full
 from bmoe.http.errors import HTTPError
-from bmoe.server import anthropic, openai_chat, responses, wire
-from bmoe.server.turnevents import (Failed, Finished, Opened, Ping, ReasoningDelta, Reset,
-                                    Started, Stopped, TextDelta, ToolArgsDelta, ToolCallStart,
-                                    Waiting)
+from bmoe.runtime.turnevents import (
+    Failed,
+    Finished,
+    Opened,
+    Ping,
+    ReasoningDelta,
+    Reset,
+    Started,
+    Stopped,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+    Waiting,
+)
+from bmoe.server import anthropic, openai_chat, responses, shapes, wire
 
 
 @dataclass
@@ -111,7 +122,7 @@ def test_messages_stream_bytes() -> None:
 
 
 def test_messages_full_context_is_prompt_too_long() -> None:
-    err = anthropic.http_error(context_full(5000, 4096))
+    err = shapes.anthropic_engine_error(context_full(5000, 4096))
     assert err.message.startswith("prompt is too long: 5000 tokens > 4096 maximum.")
     name, data = sse(anthropic.MessagesEncoder().encode(Failed(context_full(5000, 4096))))[0]
     assert name == "error" and data["error"]["type"] == "invalid_request_error"

@@ -11,13 +11,18 @@ from typing import Any
 
 import pytest
 import trio
+from _clients import (
+    EventStream,
+    WebSocketClient,
+    WebSocketRefused,
+    host_port,
+    quick_server,  # noqa: F401 - a fixture
+)
+from conftest import ServerProcess, start_server
 
-from _clients import (EventStream, WebSocketClient, WebSocketRefused, host_port,
-                      quick_server)  # noqa: F401 - a fixture
 from bmoe.cli import build_parser
 from bmoe.engine import params
-from bmoe.server.events import SUBSCRIBER_QUEUE, EventBus
-from conftest import ServerProcess, start_server
+from bmoe.runtime.events import SUBSCRIBER_QUEUE, EventBus
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 TOKEN_KEYS = {"step", "steps", "wall_ms", "io_ms", "compute_ms", "mgmt_ms", "stall_ms",

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import ServerProcess, start_server
 
 CHILD = Path(__file__).with_name("_writer_child.py")
@@ -76,7 +75,7 @@ def held(kind: str, folder: Path) -> Any:
         assert len(AddedEntries(folder).entries) == len(ids)
         return len(ids) - 1
     if kind == "config":
-        from bmoe.server.config import ConfigStore
+        from bmoe.runtime.config import ConfigStore
         n = json.loads((folder / "settings.json").read_text())["values"]["n-predict"]
         assert ConfigStore(folder, {}).state()["values"]["n-predict"] == n
         return n
@@ -219,6 +218,7 @@ def test_kill_9_of_the_server_mid_download_then_the_download_resumes_whole(
     (the hub's SHA-256 checked, and compared byte for byte here)."""
     from _hub import Hub
     from _models_support import TINY, Events, models_server, stock_hub, wait_download
+
     from bmoe.models.catalog import ADDED_FILE
     (tmp_path / "hub").mkdir()
     hub = Hub(tmp_path / "hub")

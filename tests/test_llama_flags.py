@@ -34,7 +34,6 @@ from bmoe.server import llama_flags
 from bmoe.server.llama_compat import check_flags, config_argv, env_argv
 from bmoe.server.main import build_parser
 
-
 # Every flag utils.py's ServerProcess.start() can pass, with a value its presets or tests
 # give (a switch: None). The model's own flags (-m, --hf-*, URLs) are tested apart.
 UTILS_FLAGS: dict[str, str | None] = {
@@ -521,7 +520,7 @@ TOOL = {"type": "function", "function": {"name": "get", "parameters": {
 def _read(fmt: str, text: str, tools: list[Any] | None = None,
           starts_in_reasoning: bool = False) -> Any:
     from bmoe.engine.turn import Prepared, TurnRequest
-    from bmoe.server.turnevents import TurnOutput
+    from bmoe.runtime.turnevents import TurnOutput
     prepared = Prepared("", [], starts_in_reasoning, "hermes" if tools else None, None, 0)
     out = TurnOutput(prepared, TurnRequest(messages=[], tools=tools), "revisable",
                      reasoning_format=fmt)

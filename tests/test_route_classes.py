@@ -54,8 +54,8 @@ from bmoe.http.routes import Access, Route, RouteTable
 from bmoe.http.server import HttpApp
 from bmoe.http.types import Request, Response
 from bmoe.server import shapes
+from bmoe.server.main import all_routes as build_routes
 from bmoe.server.main import build_parser, route_table
-from bmoe.server.routes import build_routes
 from bmoe.service.autoload import with_autoload
 
 KEY = "r0ute-classes-k3y"

@@ -158,7 +158,7 @@ def test_sigint_stops_an_idle_server_with_status_0(tmp_path: Path) -> None:
 WRITER = """
 import sys
 from pathlib import Path
-from bmoe.server.config import ConfigStore
+from bmoe.runtime.config import ConfigStore
 store = ConfigStore(Path(sys.argv[1]), {})
 for i in range(1, 101):
     store.put({"seed": i, "temp": i / 100}, [], peer_is_local=True, model_dirs=[])

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from bmoe.server.metrics import Metrics
 from conftest import ServerProcess, start_server
+
+from bmoe.runtime.metrics import Metrics
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 

@@ -26,10 +26,9 @@ from ..engine import params
 from ..engine.errors import EngineError
 from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError
+from ..runtime.turnevents import Finished, ReasoningDelta, Reset, TextDelta, ToolArgsDelta, ToolCallStart, TurnEvent
+from ..runtime.turnservice import Turn, drive
 from ..server import chatreq
-from ..server.turnevents import (Finished, ReasoningDelta, Reset, TextDelta, ToolArgsDelta,
-                                 ToolCallStart, TurnEvent)
-from ..server.turnservice import Turn, drive
 from . import conversation as cv
 from . import mcp, providers, skills, tools
 from .paths import ToolError

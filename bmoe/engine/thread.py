@@ -2,7 +2,7 @@
 
 Work is posted as plain callables and runs in order on a dedicated thread; each
 post returns a `concurrent.futures.Future`. The trio side awaits those futures
-through `bmoe.server.bridge`. The thread is never abandoned while it holds a
+through `bmoe.runtime.bridge`. The thread is never abandoned while it holds a
 context: it is not a daemon, and `close()` posts a stop after every queued job and
 returns a future that completes when the thread has ended (await it with
 `bridge.wait_future`, or call `.result()` from plain code).

@@ -14,7 +14,7 @@ A request becomes the same `TurnRequest` as `/v1/chat/completions` builds:
 * An assistant message's ``thinking`` blocks become its ``reasoning_content``,
   ``tool_use`` blocks its ``tool_calls``; ``redacted_thinking`` is skipped.
 
-The answer runs through the turn service (`turnservice.serve`) with `MessagesEncoder`.
+The answer runs through the turn service (`serving.serve`) with `MessagesEncoder`.
 A non-streaming answer is built from the parser's final view. A streaming one is built from `AppendOnlyStream`'s block
 events (the protocol cannot take text back): each block is a
 ``content_block_start`` / ``_delta`` / ``_stop`` triple, a thinking block closed by
@@ -37,17 +37,15 @@ from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_event
 from ..http.types import Request, Response, StreamResponse
-from . import chatreq, turnservice, wire
+from ..runtime.state import Runtime
+from ..runtime.turnevents import Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting, opens_tool_call
+from . import chatreq, serving, wire
 from .imageparts import image_part, image_tokens, read_images
-from .shapes import anthropic_error, engine_http_error
-from .state import ServerState
-from .turnevents import (Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting,
-                         opens_tool_call)
+from .shapes import anthropic_engine_error, anthropic_error
 
 log = logging.getLogger("bmoe.anthropic")
 
 BILLING_HEADER = "x-anthropic-billing-header:"
-TOO_LONG = "prompt is too long: "
 BYTES_PER_TOKEN = 3          # count_tokens' estimate: on the high side for code and JSON
 TOKENS_PER_MESSAGE = 4       # ... plus the role markup around each message
 
@@ -225,16 +223,6 @@ def estimate_tokens(req: TurnRequest) -> int:
 
 # -- response -----------------------------------------------------------------
 
-def http_error(e: EngineError) -> HTTPError:
-    """An engine failure as this protocol says it: a full context is "prompt is too long"
-    (an agent compacts its conversation on those words)."""
-    err = engine_http_error(e)
-    if e.code != "context_full":
-        return err
-    head = f"{e.n_prompt} tokens > {e.n_ctx} maximum. " if e.n_prompt is not None else ""
-    return HTTPError(400, "context_full", TOO_LONG + head + err.message)
-
-
 def _usage(fin: Finished) -> dict[str, Any]:
     return {"input_tokens": fin.n_prefilled, "cache_read_input_tokens": fin.n_cached,
             "cache_creation_input_tokens": 0, "output_tokens": fin.n_output}
@@ -330,7 +318,7 @@ class MessagesEncoder:
                     "usage": _usage(ev), "bmoe": {"summary": ev.summary}}) + \
                     event("message_stop", {})
             case Failed(error=EngineError() as e):
-                return sse_event("error", anthropic_error(http_error(e)))
+                return sse_event("error", anthropic_error(anthropic_engine_error(e)))
             case Failed(error=HTTPError() as e):
                 return sse_event("error", anthropic_error(e))
         return b""
@@ -361,14 +349,14 @@ def block_events(ev: BlockEvent) -> list[bytes]:
     return [event("content_block_delta", {"index": ev.index, "delta": delta})]
 
 
-async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
+async def handle(state: Runtime, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode(body, state.config)
     await read_images(req.images)
-    return await turnservice.serve(state, req, MessagesEncoder(),
-                                   streaming=bool(body.get("stream")), http_error=http_error)
+    return await serving.serve(state, [req], [MessagesEncoder()],
+                               streaming=bool(body.get("stream")))
 
 
-async def count_tokens(state: ServerState, request: Request) -> Response:
+async def count_tokens(state: Runtime, request: Request) -> Response:
     req, images = read_turn(request.json_object(), state.config)
     return Response.json({"input_tokens": estimate_tokens(req) + image_tokens(state, images)})

@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-The server has one session, so n choices are n turns run one after another through
-the turn service, each with its own encoder (its choice's `index`). Choice i samples
+The server has one session, so n choices are n turns run one after another (by
+`serving.serve`), each with its own encoder (its choice's `index`). Choice i samples
 with the request's seed plus i (a random seed stays random), so choice 0 is what
 `n: 1` answers and a seeded request repeats. A `Tally` shared by the encoders counts
 the usage: the prompt once, every choice's completion tokens. A stream is one SSE
@@ -14,17 +14,12 @@ body: each choice's chunks in turn, and only the last encoder ends it (usage,
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Protocol
+from typing import Any
 
-from ..engine.errors import EngineError
 from ..engine.sampling import SEED_RANDOM, Sampling
 from ..engine.turn import TurnRequest
-from ..http.errors import HTTPError, invalid_request
-from ..http.types import Response, Send, StreamResponse
-from . import turnservice
-from .shapes import engine_http_error
-from .state import ServerState
-from .turnevents import Finished, TurnEvent
+from ..http.errors import invalid_request
+from ..runtime.turnevents import Finished
 
 N_CHOICES_MAX = 16               # the turn line's waiting places
 
@@ -48,16 +43,6 @@ class Tally:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-class ChoiceEncoder(Protocol):
-    shape: Any
-    headers: list[tuple[str, str]]
-
-    def new_call_id(self) -> str: ...
-    def encode(self, ev: TurnEvent) -> bytes: ...
-    def whole(self, fin: Finished) -> dict[str, Any]: ...
-    def error_bytes(self, err: HTTPError) -> bytes: ...
-
-
 def read_n(body: dict[str, Any]) -> int:
     n = body.get("n")
     if n is None:
@@ -73,46 +58,3 @@ def seeded(req: TurnRequest, n: int, sampling: Sampling) -> list[TurnRequest]:
         return [replace(req, sampling=sampling) for _ in range(n)]
     return [replace(req, sampling=sampling.with_seed((sampling.seed + i) % SEED_RANDOM))
             for i in range(n)]
-
-
-async def whole(state: ServerState, req: TurnRequest, encoder: Any) -> dict[str, Any]:
-    """One non-streaming turn through `encoder` (which keeps what it needs of the
-    events: text, ids, probabilities) to its JSON body."""
-    turn = turnservice.Turn(state, req)
-
-    async def emit(ev: TurnEvent) -> None:
-        encoder.encode(ev)
-
-    try:
-        fin = await turnservice.drive(turn, emit, encoder.shape, encoder.new_call_id)
-    finally:
-        turn.close()
-    return encoder.whole(fin)  # type: ignore[no-any-return]
-
-
-async def serve(state: ServerState, reqs: list[TurnRequest], encoders: list[Any], tally: Tally,
-                streaming: bool,
-                merge: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> Response | StreamResponse:
-    turnservice.require_model(state)
-    try:
-        if not streaming:
-            bodies = [await whole(state, r, e) for r, e in zip(reqs, encoders, strict=True)]
-            return Response.json(merge(bodies))
-        first = await turnservice.open_stream(state, reqs[0])
-    except EngineError as e:
-        raise engine_http_error(e) from None
-
-    async def produce(send: Send) -> None:
-        await turnservice.stream(first, encoders[0], send)
-        for req, encoder in zip(reqs[1:], encoders[1:], strict=True):
-            if tally.failed:
-                return
-            try:
-                turn = turnservice.Turn(state, req)
-            except HTTPError as e:
-                await send(encoder.error_bytes(e))
-                return
-            await turnservice.stream(turn, encoder, send)
-
-    return StreamResponse(produce=produce, headers=[("Cache-Control", "no-cache")],
-                          on_close=first.close)

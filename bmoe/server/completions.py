@@ -35,13 +35,24 @@ from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
-from . import choices, turnservice, wire
+from ..runtime.state import Runtime
+from ..runtime.turnevents import (
+    Failed,
+    Finished,
+    Ping,
+    Progress,
+    RawTokens,
+    Shape,
+    Started,
+    TurnEvent,
+    Waiting,
+    generation_timings,
+    progress_timings,
+)
+from . import choices, serving, wire
 from .choices import Tally
 from .llama_options import slot_count
 from .shapes import engine_http_error, llama_error_body
-from .state import ServerState
-from .turnevents import (Failed, Finished, Ping, Progress, RawTokens, Shape, Started, TurnEvent,
-                         Waiting, generation_timings, progress_timings)
 
 I32_MAX = 2**31 - 1
 PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)
@@ -259,7 +270,7 @@ def read_stop(value: Any) -> tuple[str, ...]:
     return tuple(w for w in words if w)
 
 
-def server_sampling(state: ServerState) -> Sampling:
+def server_sampling(state: Runtime) -> Sampling:
     """What a request that sets no sampling gets. llama-server's request defaults are its
     own command line's: here a sampling setting the person made (`--temp`, `--seed`,
     `--top-k`, `--top-p`, in any layer) and llama-server's defaults for the rest."""
@@ -618,26 +629,13 @@ def finish_reason(fin: Finished) -> str:
 
 # -- handlers -----------------------------------------------------------------------
 
-async def serve(state: ServerState, req: TurnRequest, encoder: _TextEncoder,
-                streaming: bool) -> Response | StreamResponse:
-    turnservice.require_model(state)
-    try:
-        if not streaming:
-            return Response.json(await choices.whole(state, req, encoder))
-        turn = await turnservice.open_stream(state, req)
-    except EngineError as e:
-        raise engine_http_error(e) from None
-    return StreamResponse(produce=lambda send: turnservice.stream(turn, encoder, send),
-                          headers=[("Cache-Control", "no-cache")], on_close=turn.close)
-
-
-def server_budget(state: ServerState) -> int:
+def server_budget(state: Runtime) -> int:
     """The `n-predict` setting as llama-server's default `n_predict` (0 there: -1)."""
     value = state.config.values.get("n-predict")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else -1
 
 
-async def completion(state: ServerState, request: Request) -> Response | StreamResponse:
+async def completion(state: Runtime, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     prompts = split_prompts(body.get("prompt"))
     if len(prompts) > 1:
@@ -655,13 +653,9 @@ async def completion(state: ServerState, request: Request) -> Response | StreamR
     encoder.per_token = bool(body.get("timings_per_token"))
     fields = read_response_fields(body)
     if fields and not streaming:
-        turnservice.require_model(state)
-        try:
-            whole = await choices.whole(state, req, encoder)
-        except EngineError as e:
-            raise engine_http_error(e) from None
-        return Response.json(pick_fields(whole, fields))
-    return await serve(state, req, encoder, streaming)
+        serving.require_model(state)
+        return Response.json(pick_fields(await serving.whole(state, req, encoder, True), fields))
+    return await serving.serve(state, [req], [encoder], streaming=streaming, collect=True)
 
 
 RESPONSE_FIELDS_MAX = 64
@@ -695,7 +689,7 @@ def pick_fields(answer: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     return out
 
 
-async def completion_batch(state: ServerState, body: dict[str, Any],
+async def completion_batch(state: Runtime, body: dict[str, Any],
                            prompts: list[Any]) -> Response:
     """Several prompts in one /completion: each answered in turn, the answers as a list
     in the prompts' order (llama-server's batch)."""
@@ -712,18 +706,15 @@ async def completion_batch(state: ServerState, body: dict[str, Any],
                                req.max_tokens or -1, False, bool(body.get("return_tokens")),
                                slot)
         turns.append((req, encoder))
-    turnservice.require_model(state)
+    serving.require_model(state)
     answers = []
     for index, (req, encoder) in enumerate(turns):
-        try:
-            answer = await choices.whole(state, req, encoder)
-        except EngineError as e:
-            raise engine_http_error(e) from None
+        answer = await serving.whole(state, req, encoder, collect=True)
         answers.append({**answer, "index": index})
     return Response.json(answers)
 
 
-async def openai_completion(state: ServerState, request: Request) -> Response | StreamResponse:
+async def openai_completion(state: Runtime, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode_openai(body, server_budget(state), server_sampling(state))
     read_slot(body, slot_count(state))
@@ -734,8 +725,8 @@ async def openai_completion(state: ServerState, request: Request) -> Response | 
     first = OpenAIEncoder(reqs[0], include_usage, 0, n, tally)
     encoders = [first] + [OpenAIEncoder(r, include_usage, i, n, tally, first.id, first.created)
                           for i, r in enumerate(reqs[1:], 1)]
-    return await choices.serve(state, reqs, encoders, tally, bool(body.get("stream")),
-                               merge_choices)
+    return await serving.serve(state, reqs, encoders, streaming=bool(body.get("stream")),
+                               merge=merge_choices, collect=True, failed=lambda: tally.failed)
 
 
 def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:

@@ -14,19 +14,13 @@ feature, as `chat_only` does for the agent's workspaces).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-import trio
-
 from ..engine.decide import DecideRequest, DecideResult, decide
-from ..engine.errors import EngineError
 from ..http.errors import HTTPError
 from ..http.types import Request, Response
-from .bridge import let_go, wait_future
-from .shapes import engine_http_error
+from ..runtime.state import Runtime
 from . import wire
-from .state import ServerState
 
 
 def parse_request(body: dict[str, Any]) -> DecideRequest:
@@ -35,47 +29,26 @@ def parse_request(body: dict[str, Any]) -> DecideRequest:
                          reuse_prefix=True if b.reuse_prefix is None else b.reuse_prefix)
 
 
-def decide_enabled(state: ServerState) -> bool:
+def decide_enabled(state: Runtime) -> bool:
     values = state.loaded_values if state.loaded_values is not None else state.config.values
     return bool(values.get("decide", True))
 
 
-async def handle(state: ServerState, request: Request) -> Response:
+async def handle(state: Runtime, request: Request) -> Response:
     body = request.json_object()
     req = parse_request(body)
     await state.require_session()                     # 503 no_model; waits through a load
     if not decide_enabled(state):
         raise HTTPError(409, "decide_off", "Decisions are turned off for this session: turn "
                         "on Decisions in the settings and load the model again.")
-    place = state.turns.reserve()                     # 503 busy when the line is full
-    try:
-        await place.wait()
-        session = await state.require_session()
-        try:
-            result = await _run(state, session, req)
-        except EngineError as e:
-            raise engine_http_error(e) from None
-    finally:
-        place.release()
+    result: DecideResult = await state.exclusive(decide, req)   # the turn line's, cancellable
     answer = result.answer()
     state.bus.publish("decide", answer)
     log_decision(state, req, result)
     return Response.json(answer)
 
 
-async def _run(state: ServerState, session: Any, req: DecideRequest) -> DecideResult:
-    cancel = threading.Event()
-    with state.turn(cancel):
-        fut = state.engine.submit(decide, session, req, cancel)
-        try:
-            return await wait_future(fut)  # type: ignore[no-any-return]
-        except trio.Cancelled:
-            cancel.set()                   # our client left: stop the prefill, then let go
-            await let_go(fut)
-            raise
-
-
-def log_decision(state: ServerState, req: DecideRequest, r: DecideResult) -> None:
+def log_decision(state: Runtime, req: DecideRequest, r: DecideResult) -> None:
     what = "cancelled" if r.cancelled else f"best {r.best} of {len(req.choices)}"
     state.bus.log("info", f"decide: {what}; prompt {r.n_tokens} tokens ({r.n_reused} reused, "
                   f"{r.n_prefilled} prefilled in {r.prefill_s:.3f} s, restore "

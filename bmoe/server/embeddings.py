@@ -37,9 +37,9 @@ from ..engine.errors import EngineError
 from ..http.errors import invalid_request
 from ..http.routes import RouteTable
 from ..http.types import Request, Response
+from ..runtime.state import Runtime
 from . import shapes
 from .completions import I32_MAX, PROMPT_STRINGS_MAX
-from .state import ServerState
 
 Part = str | int
 TEXT_CHARS_MAX = 1 << 22        # characters of one input (the body cap bounds it too)
@@ -48,7 +48,7 @@ TEXT_CHARS_MAX = 1 << 22        # characters of one input (the body cap bounds i
 Run = Callable[..., Any]     # (state, fn, *args): fn(session, *args) on the engine thread
 
 
-def register(table: RouteTable, state: ServerState, run: Run) -> None:
+def register(table: RouteTable, state: Runtime, run: Run) -> None:
     """The routes' lines of the table; `run` is how they reach the engine (llama_compat's
     `on_engine`: the model's 503 while it loads, the engine's errors as HTTP errors)."""
     def add(path: str, fn: Callable[..., Any]) -> None:
@@ -187,12 +187,12 @@ def _body(request: Request) -> tuple[dict[str, Any], Any, bool]:
     raise invalid_request('"input" or "content" must be provided.')
 
 
-def _model(state: ServerState, body: dict[str, Any]) -> str:
+def _model(state: Runtime, body: dict[str, Any]) -> str:
     model = body.get("model")
     return model if isinstance(model, str) and model else state.model_name()
 
 
-async def openai_embeddings(state: ServerState, run: Run, request: Request) -> Response:
+async def openai_embeddings(state: Runtime, run: Run, request: Request) -> Response:
     body, value, oai = _body(request)
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
@@ -220,7 +220,7 @@ def _llama_shape(results: list[embed.Embedded]) -> list[dict[str, Any]]:
     return [{"index": i, "embedding": r.vectors} for i, r in enumerate(results)]
 
 
-async def llama_embeddings(state: ServerState, run: Run, request: Request) -> Response:
+async def llama_embeddings(state: Runtime, run: Run, request: Request) -> Response:
     body, value, _ = _body(request)
     prompts = read_inputs(value, "content" if "content" in body and "input" not in body
                           else "input")
@@ -266,7 +266,7 @@ def _rerank_on_engine(session: Any, query: str, documents: list[str]) -> list[em
     return embed.embed(session, [_rerank_prompt(session, query, d) for d in documents])
 
 
-async def rerank(state: ServerState, run: Run, request: Request) -> Response:
+async def rerank(state: Runtime, run: Run, request: Request) -> Response:
     body = request.json_object()
     query = body.get("query")
     if not isinstance(query, str):

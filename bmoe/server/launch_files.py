@@ -35,10 +35,9 @@ from ..models.download import on_disk
 from ..models.errors import ModelsError
 from ..models.hf import name_role, valid_repo
 from ..models.service import ModelsService
+from ..runtime.events import EventBus
 from . import llama_flags
-from .events import EventBus
-from .pulling import (INTERRUPTED_EXIT, LocalBackend, Puller, is_interrupt, models_error_of,
-                      with_service)
+from .pulling import INTERRUPTED_EXIT, LocalBackend, Puller, is_interrupt, models_error_of, with_service
 
 
 def fetch(args: argparse.Namespace, data_dir: Path, models_dir: Path) -> dict[str, str]:

@@ -30,20 +30,17 @@ import trio
 from pydantic import StrictBool, StrictStr
 
 from .. import __version__, atomicfile
-from ..engine.errors import EngineError
 from ..engine.sampling import check_tokens
 from ..engine.session import Session
 from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
-from ..models.download import sha256_of
 from ..http.types import Request, Response
-from . import (completions, embeddings, gcp, llama_flags, metrics, openai_chat, responses,
-               shapes, wire)
-from .bridge import wait_future
+from ..models.download import sha256_of
+from ..runtime import metrics
+from ..runtime.state import Lifecycle, Runtime
+from . import completions, embeddings, gcp, llama_flags, openai_chat, responses, shapes, wire
 from .llama_options import attach, llama_options, options_from, slot_count  # noqa: F401
-from .shapes import engine_http_error
-from .state import ServerState
 
 PROCESS_START = time.time()   # llama-server's /metrics header
 TOKENS_MAX = 1 << 20          # ids in one /detokenize body (the body cap bounds it too)
@@ -57,7 +54,7 @@ config_argv = llama_flags.config_argv
 env_argv = llama_flags.env_argv
 
 
-def register(table: RouteTable, state: ServerState) -> None:
+def register(table: RouteTable, state: Runtime) -> None:
     def add(method: str, path: str, fn: Callable[..., Any], **kw: Any) -> None:
         table.add(method, path, partial(fn, state), **kw)
 
@@ -96,7 +93,7 @@ def register(table: RouteTable, state: ServerState) -> None:
     embeddings.register(table, state, on_engine)   # with --embedding / --reranking
 
 
-async def cors_proxy(state: ServerState, request: Request) -> Response:
+async def cors_proxy(state: Runtime, request: Request) -> Response:
     """llama-server's web UI fetches other hosts through it (with --ui-mcp-proxy) and is
     refused with 403 without the flag. bmoe-server forwards nothing (its agent reaches
     MCP servers itself): always the refusal."""
@@ -109,46 +106,45 @@ def not_supported(message: str) -> HTTPError:
     return HTTPError(501, "not_supported", message)
 
 
-async def ready_session(state: ServerState) -> Session:
+async def ready_session(state: Runtime) -> Session:
     """The loaded model, or 503 as llama-server answers while it loads."""
-    if state.state in ("loading", "planning"):
+    if state.state.loading:
         raise HTTPError(503, "loading", "Loading model")
-    if state.session is None or state.state != "ready":
+    if state.session is None or state.state != Lifecycle.READY:
         raise HTTPError(503, "no_model", "No model is loaded. Load one with "
                         "POST /api/session/load or start the server with -m.")
     return state.session
 
 
-async def on_engine(state: ServerState, fn: Callable[..., Any], *args: Any) -> Any:
-    session = await ready_session(state)
-    try:
-        return await wait_future(state.engine.submit(fn, session, *args))
-    except EngineError as e:
-        raise engine_http_error(e) from None
+async def on_engine(state: Runtime, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(session, *args)`` on the engine thread (the runtime's `job`), refused with
+    llama-server's 503 while a model loads instead of waiting for it."""
+    await ready_session(state)
+    return await state.job(fn, *args)
 
 
 # -- health, props, slots ----------------------------------------------------------
 
-async def health(state: ServerState, request: Request) -> Response:
+async def health(state: Runtime, request: Request) -> Response:
     if state.asleep is None:           # asleep (--sleep-idle-seconds) is healthy too
         await ready_session(state)
     return Response.json({"status": "ok"})
 
 
-def default_settings(state: ServerState, session: Session, slot: int = 0) -> dict[str, Any]:
+def default_settings(state: Runtime, session: Session, slot: int = 0) -> dict[str, Any]:
     params = {**completions.server_sampling(state).settings(), "n_predict": -1,
               "stream": False, "grammar": "", "model": state.model_name()}
     return {"id": slot, "id_task": -1, "n_ctx": session.n_ctx, "speculative": False,
             "is_processing": False, "params": params}
 
 
-async def props(state: ServerState, request: Request) -> Response:
+async def props(state: Runtime, request: Request) -> Response:
     if state.asleep is not None:       # as it was, without waking the model
         return Response.json(state.asleep.views["props"])
     return Response.json(props_body(state, await ready_session(state)))
 
 
-def sleep_views(state: ServerState) -> dict[str, Any]:
+def sleep_views(state: Runtime) -> dict[str, Any]:
     """What `/props` and `/models` say of a model while it sleeps (taken as it falls
     asleep, so the model is still loaded)."""
     assert state.session is not None
@@ -156,7 +152,7 @@ def sleep_views(state: ServerState) -> dict[str, Any]:
             "models": models_body(state)}
 
 
-def props_body(state: ServerState, session: Session, sleeping: bool = False) -> dict[str, Any]:
+def props_body(state: Runtime, session: Session, sleeping: bool = False) -> dict[str, Any]:
     options = llama_options(state)
     return {
         "default_generation_settings": default_settings(state, session),
@@ -170,11 +166,11 @@ def props_body(state: ServerState, session: Session, sleeping: bool = False) -> 
         "is_sleeping": sleeping}
 
 
-async def set_props(state: ServerState, request: Request) -> Response:
+async def set_props(state: Runtime, request: Request) -> Response:
     raise not_supported("This server does not support changing global properties.")
 
 
-async def slots(state: ServerState, request: Request) -> Response:
+async def slots(state: Runtime, request: Request) -> Response:
     if not llama_options(state).slots:
         raise not_supported("This server does not support slots endpoint. Start it with "
                             "`--slots`")
@@ -211,7 +207,7 @@ def slot_file_name(name: str) -> str:
     return name
 
 
-async def slot_action(state: ServerState, request: Request) -> Response:
+async def slot_action(state: Runtime, request: Request) -> Response:
     """llama-server's slot files: ``save`` writes the KV cache and its tokens to a file in
     `--slot-save-path` (a temporary file, then renamed), ``restore`` reads one back into
     the KV (the next prompt that starts the same way reuses it), ``erase`` empties the KV.
@@ -295,7 +291,7 @@ def _check_slot_file(path: Path, identity: dict[str, Any]) -> None:
                               "(its size or digest differs): save the slot again.")
 
 
-async def _save_kv(state: ServerState, path: Path) -> tuple[int, int]:
+async def _save_kv(state: Runtime, path: Path) -> tuple[int, int]:
     """Save through a temporary file in the same folder, renamed over `path` when whole,
     with its record (digest, size, the model and context it holds a state of) beside it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
@@ -351,14 +347,14 @@ def _detokenize(session: Session, ids: list[int]) -> str:
     return b"".join(session.token_bytes(t) for t in ids).decode("utf-8", "replace")
 
 
-async def tokenize(state: ServerState, request: Request) -> Response:
+async def tokenize(state: Runtime, request: Request) -> Response:
     body = wire.parse(TokenizeBody, request.json_object())
     tokens = await on_engine(state, _tokenize, body.content, bool(body.add_special),
                              body.parse_special is not False, bool(body.with_pieces))
     return Response.json({"tokens": tokens})
 
 
-async def detokenize(state: ServerState, request: Request) -> Response:
+async def detokenize(state: Runtime, request: Request) -> Response:
     raw = request.json_object()
     if isinstance(raw.get("tokens"), list) and len(raw["tokens"]) > TOKENS_MAX:
         raise invalid_request(f"`tokens` holds more than {TOKENS_MAX} ids.")
@@ -382,20 +378,20 @@ class TemplateFlags(wire.Wire):
     return_prompt_ids: StrictBool | None = None
 
 
-async def apply_template(state: ServerState, request: Request) -> Response:
+async def apply_template(state: Runtime, request: Request) -> Response:
     body = request.json_object()
     flag = wire.parse(TemplateFlags, body).return_prompt_ids
     req = openai_chat.decode(body, state.config)
     return Response.json(await on_engine(state, _render, req, bool(flag)))
 
 
-async def input_tokens(state: ServerState, request: Request) -> Response:
+async def input_tokens(state: Runtime, request: Request) -> Response:
     req = openai_chat.decode(request.json_object(), state.config)
     out = await on_engine(state, _render, req, True)
     return Response.json({"input_tokens": len(out["prompt_ids"])})
 
 
-async def responses_input_tokens(state: ServerState, request: Request) -> Response:
+async def responses_input_tokens(state: Runtime, request: Request) -> Response:
     """OpenAI's `POST /v1/responses/input_tokens`: the tokens a Responses body's prompt
     takes (its input, instructions and tools rendered through the chat template)."""
     req = responses.decode(request.json_object(), state.config)
@@ -409,7 +405,7 @@ async def responses_input_tokens(state: ServerState, request: Request) -> Respon
 SHUTDOWN_DELAY_S = 0.2   # the answer goes out before the stop begins
 
 
-async def shutdown(state: ServerState, request: Request) -> Response:
+async def shutdown(state: Runtime, request: Request) -> Response:
     """Stop the server as SIGTERM does (the running answer ends, exit 0); from this
     machine only (registered `Access.LOCAL_ONLY`: the access checks refuse the network first)."""
     request.json_object()
@@ -424,7 +420,7 @@ async def shutdown(state: ServerState, request: Request) -> Response:
 
 # -- metrics -----------------------------------------------------------------------
 
-async def get_metrics(state: ServerState, request: Request) -> Response:
+async def get_metrics(state: Runtime, request: Request) -> Response:
     if not getattr(state, "llama_metrics", False):
         raise not_supported("This server does not support metrics endpoint. Start it with "
                             "`--metrics`.")
@@ -435,7 +431,7 @@ async def get_metrics(state: ServerState, request: Request) -> Response:
 
 # -- model lookups -----------------------------------------------------------------
 
-def _entry(state: ServerState) -> dict[str, Any] | None:
+def _entry(state: Runtime) -> dict[str, Any] | None:
     info = state.model_info()
     if info is None:
         return None
@@ -446,7 +442,7 @@ def _entry(state: ServerState) -> dict[str, Any] | None:
                      if state.session is not None else 0}}
 
 
-async def models(state: ServerState, request: Request) -> Response:
+async def models(state: Runtime, request: Request) -> Response:
     """`/v1/models` and `/models`: OpenAI's list (`data`) and, as llama-server adds it,
     the Ollama-style `models` list whose `capabilities` say `multimodal` for a model
     that reads images (a sleeping model is listed as it was)."""
@@ -455,7 +451,7 @@ async def models(state: ServerState, request: Request) -> Response:
     return Response.json(models_body(state))
 
 
-def models_body(state: ServerState) -> dict[str, Any]:
+def models_body(state: Runtime) -> dict[str, Any]:
     entry = _entry(state)
     listed = []
     if entry is not None:
@@ -470,7 +466,7 @@ def models_body(state: ServerState) -> dict[str, Any]:
     return {"models": listed, "object": "list", "data": [entry] if entry else []}
 
 
-def _find(state: ServerState, name: str) -> dict[str, Any]:
+def _find(state: Runtime, name: str) -> dict[str, Any]:
     entry = _entry(state)
     if entry is None or name not in (entry["id"], *entry["aliases"]):
         served = f"it serves {entry['id']}" if entry else "no model is loaded"
@@ -478,7 +474,7 @@ def _find(state: ServerState, name: str) -> dict[str, Any]:
     return entry
 
 
-async def model(state: ServerState, request: Request) -> Response:
+async def model(state: Runtime, request: Request) -> Response:
     return Response.json(_find(state, request.path_params.get("id", "")))
 
 
@@ -492,7 +488,7 @@ def _capabilities(session: Session) -> list[str]:
             *(["vision"] if session.vision is not None else [])]
 
 
-async def ollama_tags(state: ServerState, request: Request) -> Response:
+async def ollama_tags(state: Runtime, request: Request) -> Response:
     entry, session = _entry(state), state.session
     listed = []
     if entry is not None and session is not None:
@@ -512,7 +508,7 @@ class ShowBody(wire.Wire):
     name: StrictStr | None = None
 
 
-async def ollama_show(state: ServerState, request: Request) -> Response:
+async def ollama_show(state: Runtime, request: Request) -> Response:
     body = wire.parse(ShowBody, request.json_object())
     name = body.model if body.model is not None else body.name
     if name is None:

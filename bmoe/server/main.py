@@ -13,25 +13,24 @@ from typing import Any
 
 import trio
 
+from ..agent import api as agent_api
 from ..engine import params, rpc
 from ..engine.experts import streamer_factory
 from ..http import access
 from ..http.parent import process_alive
 from ..http.routes import RouteTable
 from ..http.server import HttpApp, serve_http, watch_parent
-from .config import ConfigStore, default_data_dir
-from .events import EventBus
-from . import backends_routes, launch_files, llama_compat, llama_flags, models_cli
-from . import models_routes, plan_routes, sleep
-from ..agent import api as agent_api
 from ..modelmaker import ensure_demo_model
+from ..runtime.config import ConfigStore, default_data_dir
+from ..runtime.events import EventBus
+from ..runtime.state import Runtime, ServerOptions
 from ..service import cli as service_cli
 from ..service import logtee
 from ..service.autoload import AutoloadState, with_autoload
 from ..service.stopping import watch_signals
+from . import backends_routes, launch_files, llama_compat, llama_flags, models_cli, models_routes, plan_routes, sleep
 from .routes import build_routes
 from .shapes import error_shaper
-from .state import ServerOptions, ServerState
 
 
 def assets_dir() -> Path | None:
@@ -213,10 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def all_routes(state: Any) -> RouteTable:
+    """Every route of bmoe-server: the server's own and the agent's (a package above it,
+    so wired in here, the composition root)."""
+    return build_routes(state, extra=(agent_api.register,))
+
+
 def route_table(state: Any, args: argparse.Namespace) -> RouteTable:
     """The routes ``serve`` answers for this command line. With ``--autoload`` (``state``
     is then an ``AutoloadState``) a request to a route that runs the model loads it first."""
-    routes = build_routes(state)
+    routes = all_routes(state)
     if args.autoload:
         routes = with_autoload(routes, state)
     if sleep.seconds(args):           # outermost: a sleeping model is awake before autoload
@@ -228,7 +233,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
                 args: argparse.Namespace) -> None:
     config = ConfigStore(options.data_dir, launch)
     bus = EventBus()
-    kind = AutoloadState if args.autoload else ServerState
+    kind = AutoloadState if args.autoload else Runtime
     state = kind(options, config, bus, streamer_factory=streamer_factory)
     backends_routes.attach(state, args)       # installed packs load before any model
     models_routes.attach(state, args)
@@ -256,7 +261,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
             outer.cancel_scope.cancel()
 
 
-async def _start(nursery: trio.Nursery, state: ServerState, app: HttpApp,
+async def _start(nursery: trio.Nursery, state: Runtime, app: HttpApp,
                  policy: access.AccessPolicy, options: ServerOptions,
                  args: argparse.Namespace) -> None:
     port = await nursery.start(serve_http, app, options.host, options.port)

@@ -27,13 +27,21 @@ import trio
 
 from ..models.errors import ModelsError
 from ..models.service import ModelsService
+from ..runtime.config import default_data_dir
+from ..runtime.events import EventBus
 from . import models_routes
-from .config import default_data_dir
-from .events import EventBus
 from .models_routes import check_flags
 from .progress import mb
-from .pulling import (INTERRUPTED_EXIT, Backend, LocalBackend, Puller, RemoteBackend,
-                      is_interrupt, models_error_of, with_service)
+from .pulling import (
+    INTERRUPTED_EXIT,
+    Backend,
+    LocalBackend,
+    Puller,
+    RemoteBackend,
+    is_interrupt,
+    models_error_of,
+    with_service,
+)
 
 PROBE_TIMEOUT_S = 2.0          # whether a server answers on the configured address
 KEY_FILE = "api-key"           # the service's key file in the data folder (service/args.py)

@@ -149,7 +149,7 @@ def attach(state: Any, args: Any) -> ModelsService:
         session = getattr(state, "session", None)
         if session is not None:
             held.append(str(session.path))
-        if getattr(state, "state", "") in ("loading", "planning"):   # a planning load too
+        if state.state.loading:                 # a planning load too
             held.append(str(state.config.values.get("model") or ""))
         return held
 

@@ -17,12 +17,8 @@ from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import sse_comment, sse_done, sse_event
 from ..http.types import Request, Response, StreamResponse
-from . import chatreq, choices, turnservice, wire
-from .llama_options import llama_options
-from .imageparts import image_part, read_images
-from .shapes import engine_http_error
-from .state import ServerState
-from .turnevents import (
+from ..runtime.state import Runtime
+from ..runtime.turnevents import (
     Decoded,
     Failed,
     Finished,
@@ -41,6 +37,10 @@ from .turnevents import (
     Waiting,
     generation_timings,
 )
+from . import chatreq, choices, serving, wire
+from .imageparts import image_part, read_images
+from .llama_options import llama_options
+from .shapes import engine_http_error
 
 # -- request ------------------------------------------------------------------
 # `wire.ChatBody` has checked every field's type; what is left here is meaning.
@@ -338,7 +338,7 @@ class ChatEncoder:
         return out + sse_done()
 
 
-async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
+async def handle(state: Runtime, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode(body, state.config)
     await read_images(req.images)
@@ -353,12 +353,10 @@ async def handle(state: ServerState, request: Request) -> Response | StreamRespo
                                    top, flags)
     encoder = ChatEncoder(include_usage)
     vars(encoder).update(flags)
-    return await turnservice.serve(state, req, encoder,
-                                   streaming=bool(body.get("stream")),
-                                   http_error=engine_http_error)
+    return await serving.serve(state, [req], [encoder], streaming=bool(body.get("stream")))
 
 
-def session_sampling(state: ServerState) -> Sampling:
+def session_sampling(state: Runtime) -> Sampling:
     """The server's own sampling settings (`temp`, `top-k`, `top-p`, `seed`) as a value,
     so that choice i of n can take the seed plus i."""
     values = state.session.values if state.session is not None else state.config.values
@@ -378,7 +376,7 @@ def read_logprobs(body: dict[str, Any]) -> int | None:
     return int(top or 0)
 
 
-async def serve_choices(state: ServerState, req: TurnRequest, n: int, include_usage: bool,
+async def serve_choices(state: Runtime, req: TurnRequest, n: int, include_usage: bool,
                         streaming: bool, top_logprobs: int | None = None,
                         flags: dict[str, bool] | None = None) -> Response | StreamResponse:
     """n choices, one after another (choices.py); the whole answer lists them all. With
@@ -401,4 +399,5 @@ async def serve_choices(state: ServerState, req: TurnRequest, n: int, include_us
         merged["bmoe"] = bodies[0]["bmoe"]
         return merged
 
-    return await choices.serve(state, reqs, encoders, tally, streaming, merge)
+    return await serving.serve(state, reqs, encoders, streaming=streaming, merge=merge,
+                               collect=True, failed=lambda: tally.failed)

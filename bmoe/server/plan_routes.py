@@ -10,7 +10,7 @@ a ``plan_progress`` event, then ``{"step": "done"}``.
 The service holds two plans: the last measured by hand (``GET /api/plan``) and the one
 the loaded model was loaded with (auto-plan). ``?cached=1`` answers the first, else the
 second, without measuring. With auto-plan on, ``before_load`` (called by
-``ServerState._load``) puts the state in ``planning``, measures with nothing loaded,
+``Runtime._load``) puts the state in ``planning``, measures with nothing loaded,
 applies the plan to the config's plan layer and hands the load its values; a plan that
 says ``will_not_fit`` refuses the load with its sentence.
 
@@ -39,8 +39,8 @@ from ..http.types import Request, Response
 from ..planner.measure import PlanError, measure
 from ..planner.plan import Plan
 from ..planner.probes import ComputeFacts, model_facts
-from ..planner.routing import (append_record, cost_key, cost_path, record_path, trial_path,
-                               write_cost, write_trial)
+from ..planner.routing import append_record, cost_key, cost_path, record_path, trial_path, write_cost, write_trial
+from ..runtime.state import Lifecycle, Runtime
 
 MIN_RECORD_TOKENS = 1
 
@@ -54,7 +54,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="loads use the settings as they are (this run)")
 
 
-def attach(state: Any, args: argparse.Namespace | None = None) -> None:
+def attach(state: Runtime, args: argparse.Namespace | None = None) -> None:
     state.planner = PlanService(state)
     if args is not None and getattr(args, "auto_plan", None) is not None:
         state.config.auto_plan_launch = bool(args.auto_plan)
@@ -94,7 +94,7 @@ class PlanService:
         estimate from the session itself (the dense weights and the expert cache when it
         streams, the whole file when it does not); 0 with nothing loaded."""
         session = self.state.session
-        if session is None or self.state.state != "ready":
+        if session is None or self.state.state != Lifecycle.READY:
             return 0
         if self.load_held:
             return self.load_held
@@ -112,7 +112,7 @@ class PlanService:
         if self._lock.locked():
             raise HTTPError(409, "busy", "A measurement is already running; wait for it.")
         async with self._lock:
-            loaded = state.session is not None and state.state == "ready"
+            loaded = state.session is not None and state.state == Lifecycle.READY
             held = self.held_now()
             name = Path(str(state.session.path)).name if loaded else ""
             config = state.config
@@ -141,7 +141,7 @@ class PlanService:
         """Run the matmul probe on the thread that decodes (see bmoe/planner/measure.py:
         a second OpenMP team would slow every later decode); called from the worker
         thread the measurement runs in."""
-        return self.state.engine.submit(probe).result()
+        return self.state.call_from_thread(probe)
 
     async def measure_by_hand(self, path: str) -> dict[str, Any]:
         plan = await self.measure(path)
@@ -167,7 +167,7 @@ class PlanService:
         config = self.state.config
         if not config.auto_plan:
             return values
-        self.state._set_state("planning")
+        self.state.planning(True)
         try:
             plan = await self.measure(path)
         except PlanError as e:
@@ -181,7 +181,7 @@ class PlanService:
         self.state.bus.publish("config", config.state(None))
         self.load_plan = body
         self.load_held = sum(pool["held_bytes"] for pool in body["memory"]["pools"])
-        self.state._set_state("loading")
+        self.state.planning(False)
         return {**config.values, "model": path}
 
     # -- following the turns ------------------------------------------------------------
@@ -276,7 +276,7 @@ async def get_plan(state: Any, request: Request) -> Response:
     if state.generating:
         raise HTTPError(409, "generating", "A generation is running, which would skew the "
                         "measurement; ask again when it ends.")
-    if state.state in ("loading", "planning"):
+    if state.state.loading:
         raise HTTPError(409, "busy", "A model is loading; ask again when it is ready.")
     if q.get("measure") not in ("1", "true") and planner.load_plan is not None \
             and state.session is not None and not planner.measured_after_load:

@@ -39,12 +39,25 @@ from ..engine.turn import TurnRequest
 from ..http.errors import HTTPError, invalid_request
 from ..http.sse import SSE_HEADERS, sse_comment, sse_event
 from ..http.types import Request, Response, StreamResponse
-from . import chatreq, turnservice, wire
+from ..runtime.state import Runtime
+from ..runtime.turnevents import (
+    Decoded,
+    Failed,
+    Finished,
+    Opened,
+    Ping,
+    Progress,
+    RunningTimings,
+    Shape,
+    Started,
+    Stopped,
+    TurnEvent,
+    Waiting,
+    generation_timings,
+)
+from . import chatreq, serving, wire
 from .imageparts import image_part, read_images
-from .shapes import engine_http_error
-from .state import ServerState
-from .turnevents import (Decoded, Failed, Finished, Opened, Ping, Progress, RunningTimings,
-                         Shape, Started, Stopped, TurnEvent, Waiting, generation_timings)
+from .shapes import responses_engine_error
 
 STATEFUL = "This server is stateless: send the whole conversation in `input` (as with " \
            "`store: false`)."
@@ -209,15 +222,6 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
 
 # -- response -----------------------------------------------------------------
 
-def http_error(e: EngineError) -> HTTPError:
-    """An engine failure as this protocol says it: a full context is
-    `context_length_exceeded`, the code Codex compacts its conversation on."""
-    err = engine_http_error(e)
-    if e.code == "context_full":
-        return HTTPError(400, "context_length_exceeded", err.message)
-    return err
-
-
 def failed_code(err: HTTPError) -> str:
     """The `response.failed` code: the ones a Responses client decides on."""
     if err.code == "context_length_exceeded":
@@ -381,7 +385,7 @@ class ResponsesEncoder:
                     data["timings"] = generation_timings(ev.generation)
                 return self.event("response." + status, data)
             case Failed(error=EngineError() as e):
-                return self._failed(http_error(e))
+                return self._failed(responses_engine_error(e))
             case Failed(error=HTTPError() as e):
                 return self._failed(e)
         return b""
@@ -451,12 +455,11 @@ class ResponsesEncoder:
                                 {"output_index": ev.index, "item": item})
 
 
-async def handle(state: ServerState, request: Request) -> Response | StreamResponse:
+async def handle(state: Runtime, request: Request) -> Response | StreamResponse:
     body = request.json_object()
     req = decode(body, state.config)
     await read_images(req.images)
     encoder = ResponsesEncoder(_echo(body, req))
     encoder.show_progress = bool(body.get("return_progress"))      # (types checked)
     encoder.per_token = bool(body.get("timings_per_token"))
-    return await turnservice.serve(state, req, encoder,
-                                   streaming=bool(body.get("stream")), http_error=http_error)
+    return await serving.serve(state, [req], [encoder], streaming=bool(body.get("stream")))

@@ -3,32 +3,55 @@
 Each registration says what the route is (see `bmoe/http/routes.py`): who it answers
 (`access`, the key by default), its errors' shape (`shape`, the server's own by
 default) and whether it runs the model (`model`: with `--autoload` a request to it
-loads the model first). The families below register their own the same way.
+loads the model first). The families below register their own the same way; the
+packages above this one (the agent's routes) are passed in by the composition root
+(`bmoe/server/main.py`'s `all_routes`).
+
+An `EngineError` that leaves a handler is mapped here, once, for every route: into the
+HTTP error of the route's own protocol (`shapes.engine_error`), which the error shaper
+then writes in that protocol's shape.
 """
 
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import trio
 
 from ..engine import params
+from ..engine.errors import EngineError
 from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import RouteTable
 from ..http.sse import sse_comment, sse_event
-from ..http.types import Request, Response, Send, StreamResponse
-from ..server.config import OutsideModelsDir, confine_model_path
-from . import anthropic, decide, openai_chat, responses, wire, ws
-from . import backends_routes, llama_compat, models_routes, plan_routes, shapes
-from .state import ServerState
+from ..http.types import Handler, Request, Response, Send, StreamResponse
+from ..runtime.config import OutsideModelsDir, confine_model_path
+from ..runtime.state import Runtime
+from . import (
+    anthropic,
+    backends_routes,
+    decide,
+    llama_compat,
+    models_routes,
+    openai_chat,
+    plan_routes,
+    responses,
+    shapes,
+    wire,
+    ws,
+)
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
 
 
-def build_routes(state: ServerState) -> RouteTable:
+Register = Callable[[RouteTable, Any], None]   # a package's routes, added to the table
+
+
+def build_routes(state: Runtime, extra: Iterable[Register] = ()) -> RouteTable:
+    """The server's routes, and `extra`'s (registered the same way), each handler's
+    `EngineError` mapped in its route's protocol."""
     table = RouteTable()
     streams = trio.CapacityLimiter(limits.EVENT_STREAMS)
     streams_full = HTTPError(503, "streams_full", f"{limits.EVENT_STREAMS} event streams are "
@@ -61,25 +84,32 @@ def build_routes(state: ServerState) -> RouteTable:
     plan_routes.register(table, state)
     backends_routes.register(table, state)   # backend packs and updates (local only)
     llama_compat.register(table, state)  # llama-server's routes (/completion, /props, ...)
-    # The agent's conversations, workspaces, providers. Imported here: bmoe.agent sits above
-    # this package (it drives turns through turnservice), so this is an upward import, kept
-    # so that build_routes() is every route; a documented exception in .importlinter.
-    from ..agent import api as agent_api
-    agent_api.register(table, state)
-    return table
+    for register in extra:               # the agent's conversations, workspaces, providers
+        register(table, state)
+    return table.wrapped(lambda route: engine_errors(route.handler, route.shape))
+
+
+def engine_errors(handler: Handler, shape: str | None) -> Handler:
+    """`handler`, its engine failures as the HTTP errors of its route's protocol."""
+    async def mapped(request: Request) -> Any:
+        try:
+            return await handler(request)
+        except EngineError as e:
+            raise shapes.engine_error(shape, e) from None
+    return mapped
 
 
 # -- state ------------------------------------------------------------------------
 
-async def info(state: ServerState, request: Request) -> Response:
+async def info(state: Runtime, request: Request) -> Response:
     return Response.json(state.info())
 
 
-def model_dirs(state: ServerState) -> list[Path]:
+def model_dirs(state: Runtime) -> list[Path]:
     return [state.options.models_dir, *state.options.scan_dirs]
 
 
-async def session_load(state: ServerState, request: Request) -> Response:
+async def session_load(state: Runtime, request: Request) -> Response:
     model = wire.parse(wire.SessionLoadBody, request.json_object()).model
     if model:
         confined = state.options.models_only or not request.peer_is_loopback
@@ -106,32 +136,32 @@ async def session_load(state: ServerState, request: Request) -> Response:
     return Response.json({"state": "loading", "model": str(path)}, status=202)
 
 
-async def session_unload(state: ServerState, request: Request) -> Response:
+async def session_unload(state: Runtime, request: Request) -> Response:
     wire.parse(wire.EmptyBody, request.json_object())
     await state.unload()
     return Response.json({"state": state.state})
 
 
-async def cancel(state: ServerState, request: Request) -> Response:
+async def cancel(state: Runtime, request: Request) -> Response:
     wire.parse(wire.EmptyBody, request.json_object())
     return Response.json({"cancelled": state.cancel_current()})
 
 
 # -- parameters and config ----------------------------------------------------------
 
-async def get_params(state: ServerState, request: Request) -> Response:
+async def get_params(state: Runtime, request: Request) -> Response:
     return Response.json(params.describe(server=True))
 
 
-def config_state(state: ServerState) -> dict[str, Any]:
+def config_state(state: Runtime) -> dict[str, Any]:
     return state.config.state(state.loaded_values)
 
 
-async def get_config(state: ServerState, request: Request) -> Response:
+async def get_config(state: Runtime, request: Request) -> Response:
     return Response.json(config_state(state))
 
 
-async def put_config(state: ServerState, request: Request) -> Response:
+async def put_config(state: Runtime, request: Request) -> Response:
     raw = request.json_object()
     body = wire.parse(wire.ConfigBody, raw)
     auto = raw.get("auto_plan")
@@ -152,7 +182,7 @@ async def put_config(state: ServerState, request: Request) -> Response:
 
 # -- live events --------------------------------------------------------------------
 
-async def events(state: ServerState, request: Request) -> StreamResponse:
+async def events(state: Runtime, request: Request) -> StreamResponse:
     sub = state.bus.subscribe(local=request.peer_is_loopback)
 
     async def produce(send: Send) -> None:

@@ -74,3 +74,35 @@ def engine_http_error(e: EngineError) -> HTTPError:
         if e.code == "context_full" and e.n_prompt is not None else None
     return HTTPError(STATUS_OF.get(e.code, 500), e.code, params.render(e.message, "label"),
                      fields=fields)
+
+
+ANTHROPIC_TOO_LONG = "prompt is too long: "
+
+
+def anthropic_engine_error(e: EngineError) -> HTTPError:
+    """The Messages API's: a full context is "prompt is too long" (an agent compacts its
+    conversation on those words)."""
+    err = engine_http_error(e)
+    if e.code != "context_full":
+        return err
+    head = f"{e.n_prompt} tokens > {e.n_ctx} maximum. " if e.n_prompt is not None else ""
+    return HTTPError(400, "context_full", ANTHROPIC_TOO_LONG + head + err.message)
+
+
+def responses_engine_error(e: EngineError) -> HTTPError:
+    """The Responses API's: a full context is `context_length_exceeded`, the code Codex
+    compacts its conversation on."""
+    err = engine_http_error(e)
+    if e.code == "context_full":
+        return HTTPError(400, "context_length_exceeded", err.message)
+    return err
+
+
+ENGINE_ERRORS = {ANTHROPIC: anthropic_engine_error, RESPONSES: responses_engine_error}
+
+
+def engine_error(shape: str | None, e: EngineError) -> HTTPError:
+    """An engine failure as the protocol of a route of ``shape`` says it: the one place
+    each protocol maps `EngineError` (the route table's wrapper and the protocol's stream
+    encoder both call it)."""
+    return ENGINE_ERRORS.get(shape or "", engine_http_error)(e)

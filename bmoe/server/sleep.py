@@ -1,7 +1,7 @@
 """``--sleep-idle-seconds N``: the model is unloaded after N seconds with nothing using it,
 and the next request that needs it loads it again (llama-server's sleep).
 
-Idle means no request to a route that runs the model under way (`ServerState.active`),
+Idle means no request to a route that runs the model under way (`Runtime.active`),
 no turn running or waiting, for N seconds since the last one ended. Asleep, the model's
 memory is free; `/health` answers ok, `/props` answers as before with ``is_sleeping``
 true, `/models` lists the model, `/metrics` reads what the model had when it slept, and
@@ -20,8 +20,8 @@ import trio
 
 from ..http.routes import RouteTable
 from ..http.types import Handler, Request
+from ..runtime.state import Runtime
 from . import llama_compat
-from .state import ServerState
 
 POLL_S = 1.0   # how often a model that was busy at its deadline is looked at again
 
@@ -36,7 +36,7 @@ def seconds(args: Any) -> float:
     return value if value > 0 else 0.0
 
 
-async def run(state: ServerState, idle_s: float,
+async def run(state: Runtime, idle_s: float,
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Put the model to sleep whenever it has been idle `idle_s` seconds."""
     task_status.started()
@@ -50,13 +50,13 @@ async def run(state: ServerState, idle_s: float,
         await trio.sleep(min(POLL_S, idle_s))
 
 
-def with_sleep(table: RouteTable, state: ServerState) -> RouteTable:
+def with_sleep(table: RouteTable, state: Runtime) -> RouteTable:
     """The same routes; each one registered ``model=True`` counts as activity and, if the
     model sleeps, waits for it to load again before it runs."""
     return table.wrapped(lambda r: _waking(r.handler, state) if r.model else r.handler)
 
 
-def _waking(handler: Handler, state: ServerState) -> Handler:
+def _waking(handler: Handler, state: Runtime) -> Handler:
     async def wake_then(request: Request) -> Any:
         with state.active():
             if state.wake():

@@ -35,7 +35,7 @@ from wsproto.utilities import LocalProtocolError, generate_accept_token
 from ..http import limits
 from ..http.errors import HTTPError
 from ..http.types import Request, Upgrade, json_bytes
-from .state import ServerState
+from ..runtime.state import Runtime
 
 WS_PING_S = 15.0          # a WebSocket ping on an idle event socket this often
 WS_VERSION = "13"
@@ -114,7 +114,7 @@ class EventSocket:
             self.ws.receive_data(bytes(data))
 
 
-async def handle(state: ServerState, request: Request) -> Upgrade:
+async def handle(state: Runtime, request: Request) -> Upgrade:
     headers = accept_headers(request)
     local = request.peer_is_loopback
 
@@ -135,7 +135,7 @@ async def handle(state: ServerState, request: Request) -> Upgrade:
     return Upgrade(protocol="websocket", run=run, headers=headers)
 
 
-async def _pump_events(state: ServerState, sock: EventSocket, local: bool) -> None:
+async def _pump_events(state: Runtime, sock: EventSocket, local: bool) -> None:
     sub = state.bus.subscribe(local=local)
     try:
         await sock.send(TextMessage(data=event_message("state", state.info())))

@@ -2,7 +2,7 @@
 request finds none loaded; the request waits for that load, as a request that arrives
 during a load already does.
 
-``AutoloadState`` is the server's ``ServerState`` with ``wake``: a request that needs
+``AutoloadState`` is the server's ``Runtime`` with ``wake``: a request that needs
 the model and finds none loaded or loading starts the load of the saved model (or is
 refused with 503 ``no_model`` and a message that says to choose one). ``with_autoload``
 calls it before each route registered ``model=True`` (the routes that run the model say
@@ -23,13 +23,13 @@ from ..engine.session import Session
 from ..http.errors import HTTPError
 from ..http.routes import RouteTable
 from ..http.types import Handler, Request
-from ..server.state import ServerState
+from ..runtime.state import Lifecycle, Runtime
 
 NO_MODEL_SELECTED = ("No model is selected yet: choose one on the Models page (or POST "
                      "/api/session/load with a model) and the server loads it from then on.")
 
 
-class AutoloadState(ServerState):
+class AutoloadState(Runtime):
     def start_autoload(self) -> None:
         """At start: load the saved model, or say in the log that none is chosen yet."""
         model = self.config.values.get("model")
@@ -44,7 +44,7 @@ class AutoloadState(ServerState):
         one unless one is there; whether a load was started."""
         if super().wake():
             return True
-        if self.state in ("loading", "planning") or (self.session is not None and self.state == "ready"):
+        if self.state.loading or (self.session is not None and self.state == Lifecycle.READY):
             return False
         model: Any = self.config.values.get("model")
         if not model:

@@ -1,8 +1,14 @@
-"""The server's one session and its lifecycle: empty → loading → ready | error.
+"""The runtime: the server's one session, its lifecycle, and the one way to the engine.
 
-`ServerState` is the trio-side owner of the engine thread and the loaded `Session`.
-Loads and unloads are serialised; a request that needs the model while one loads
-waits for it; every state change is published as a `state` event.
+`Runtime` is the trio-side owner of the engine thread and the loaded `Session`. Every
+caller reaches the engine through it: a turn (`bmoe/runtime/turnservice.py`'s `Turn`,
+which takes a place in the turn line), `exclusive` for other work that holds the turn
+(a decision), `job` for work that needs the model but is not a turn (tokenize, apply a
+template). Loads and unloads are serialised; a request that needs the model while one
+loads waits for it; every state change is published as a `state` event.
+
+The lifecycle (`Lifecycle`, its moves in `MOVES`): empty → [planning →] loading → ready
+| error, and back to empty on an unload or a sleep; a load may start from any state.
 
 With ``--sleep-idle-seconds`` (bmoe/server/sleep.py) a ready model that has been idle
 that long is unloaded and kept as an `Asleep`: the state is ``empty`` with ``sleeping``
@@ -17,8 +23,9 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import trio
 
@@ -26,15 +33,43 @@ from .. import __version__
 from ..engine import params
 from ..engine.errors import EngineError
 from ..engine.session import Session
-from ..engine.thread import EngineThread
 from ..engine.telemetry import mem_available_mib
+from ..engine.thread import EngineThread
 from ..http.errors import HTTPError
-from .bridge import wait_future
+from .bridge import let_go, wait_future
 from .events import EventBus
 from .metrics import Metrics
 from .turns import TurnLine
 
 CTX_FOR_CLIENTS = 16384  # tokens a coding agent needs: its first request plus an answer
+
+T = TypeVar("T")
+
+
+class Lifecycle(StrEnum):
+    """Where the one session is (the `state` of `/api/info`)."""
+
+    EMPTY = "empty"          # nothing loaded (or asleep: `sleeping` in /api/info)
+    PLANNING = "planning"    # an auto-plan load measures the machine first
+    LOADING = "loading"
+    READY = "ready"
+    ERROR = "error"          # the last load failed; `error` says why
+
+    @property
+    def loading(self) -> bool:
+        """A load is under way: a caller that needs the model waits for it."""
+        return self in (Lifecycle.PLANNING, Lifecycle.LOADING)
+
+
+# The moves the lifecycle makes; a load (to LOADING) may start from any state.
+MOVES: dict[Lifecycle, frozenset[Lifecycle]] = {
+    Lifecycle.EMPTY: frozenset({Lifecycle.LOADING, Lifecycle.EMPTY}),
+    Lifecycle.LOADING: frozenset({Lifecycle.PLANNING, Lifecycle.LOADING, Lifecycle.READY,
+                                  Lifecycle.ERROR, Lifecycle.EMPTY}),
+    Lifecycle.PLANNING: frozenset({Lifecycle.LOADING, Lifecycle.ERROR, Lifecycle.EMPTY}),
+    Lifecycle.READY: frozenset({Lifecycle.LOADING, Lifecycle.EMPTY}),
+    Lifecycle.ERROR: frozenset({Lifecycle.LOADING, Lifecycle.EMPTY}),
+}
 
 
 class FrozenStats:
@@ -79,7 +114,7 @@ def _ram_total_mib() -> float:
         return 0.0
 
 
-class ServerState:
+class Runtime:
     def __init__(self, options: ServerOptions, config: Any, bus: EventBus,
                  streamer_factory: Callable[[Session], Any] | None = None) -> None:
         self.options = options
@@ -88,7 +123,7 @@ class ServerState:
         self.engine = EngineThread()
         self.turns = TurnLine()
         self.session: Session | None = None
-        self.state = "empty"
+        self.state = Lifecycle.EMPTY
         self.error = ""
         self.load_started: float | None = None
         self.loaded_values: dict[str, Any] | None = None
@@ -100,7 +135,7 @@ class ServerState:
         self._nursery: trio.Nursery | None = None
         self.streamer_factory = streamer_factory
         self.planner: Any = None                 # bmoe/server/plan_routes.py's PlanService
-        self.metrics = Metrics()                 # GET /metrics (bmoe/server/metrics.py)
+        self.metrics = Metrics()                 # GET /metrics (bmoe/runtime/metrics.py)
         self.model_aliases: tuple[str, ...] = ()  # --alias (bmoe/server/llama_compat.py)
         self.model_tags: tuple[str, ...] = ()     # --tags
         self.asleep: Asleep | None = None        # --sleep-idle-seconds (sleep.py)
@@ -124,7 +159,7 @@ class ServerState:
         return self._generating
 
     @contextmanager
-    def turn(self, cancel: threading.Event) -> Iterator[None]:
+    def generation(self, cancel: threading.Event) -> Iterator[None]:
         """The one way to mark a generation (a chat turn, a decision): `POST /api/cancel`
         and an unload set `cancel` while it runs; `/api/info` says `generating`."""
         self._current_cancel = cancel
@@ -150,11 +185,47 @@ class ServerState:
             self._active -= 1
             self.last_active = time.monotonic()
 
+    # -- the engine, for work that is not a chat turn ---------------------------
+
+    async def job(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(session, *args)`` on the engine thread, for work that needs the model but
+        is not a turn (tokenize, detokenize, apply a template): it waits through a load,
+        wakes a sleeping model, and refuses with 503 no_model when none is loaded."""
+        session = await self.require_session()
+        return await wait_future(self.engine.submit(fn, session, *args))  # type: ignore[no-any-return]
+
+    async def exclusive(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(session, *args, cancel)`` on the engine thread, holding the turn: a place
+        in the turn line (503 busy when it is full), marked as a generation (so
+        `POST /api/cancel` and an unload set `cancel`). A caller that goes away sets
+        `cancel` and waits, shielded, for the engine to let go."""
+        await self.require_session()                  # 503 no_model; waits through a load
+        place = self.turns.reserve()                  # 503 busy when the line is full
+        try:
+            await place.wait()
+            session = await self.require_session()
+            cancel = threading.Event()
+            with self.generation(cancel):
+                fut = self.engine.submit(fn, session, *args, cancel)
+                try:
+                    return await wait_future(fut)  # type: ignore[no-any-return]
+                except trio.Cancelled:
+                    cancel.set()           # our caller left: stop the work, then let go
+                    await let_go(fut)
+                    raise
+        finally:
+            place.release()
+
+    def call_from_thread(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the engine thread, waited for by a worker thread (a planner probe
+        that must run on the thread that decodes, with or without a model)."""
+        return self.engine.submit(fn).result()  # type: ignore[no-any-return]
+
     # -- sleep (--sleep-idle-seconds) ------------------------------------------
 
     def idle(self) -> bool:
         """A ready model that nothing is using or waiting for."""
-        return (self.session is not None and self.state == "ready" and not self._generating
+        return (self.session is not None and self.state == Lifecycle.READY and not self._generating
                 and self._active == 0 and self.turns.waiting == 0)
 
     async def fall_asleep(self, views: Callable[[], dict[str, Any]]) -> bool:
@@ -170,7 +241,7 @@ class ServerState:
                             FrozenStats(stats()) if callable(stats) else None, views())
             await self._close_session()
             self.asleep = asleep
-            self._set_state("empty")
+            self._set_state(Lifecycle.EMPTY)
         self.bus.log("info", f"sleeping: {Path(asleep.path).name} is unloaded until a "
                      "request needs it")
         return True
@@ -211,7 +282,7 @@ class ServerState:
 
     def model_info(self) -> dict[str, Any] | None:
         s = self.session
-        if s is None or self.state != "ready":
+        if s is None or self.state != Lifecycle.READY:
             return None
         return {
             "path": str(s.path), "name": s.path.name, "id": self.model_name(),
@@ -241,7 +312,7 @@ class ServerState:
             "calibrating": False,
             "devices": self.devices(),
         }
-        if self.state in ("loading", "planning") and self.load_started is not None:
+        if self.state.loading and self.load_started is not None:
             out["load_elapsed_s"] = round(time.monotonic() - self.load_started, 3)
         return out
 
@@ -255,12 +326,19 @@ class ServerState:
         helpers = getattr(self.session, "rpc", None)
         return [host, *(helpers.describe() if helpers is not None else [])]
 
-    def _set_state(self, state: str, error: str = "") -> None:
+    def _set_state(self, state: Lifecycle, error: str = "") -> None:
+        """Move the lifecycle (a move `MOVES` does not hold is a bug of the caller's)."""
+        if state not in MOVES[self.state]:
+            raise RuntimeError(f"the server cannot go from {self.state} to {state}")
         self.state = state
         self.error = error
         self.bus.publish("state", self.info())
         self._changed.set()
         self._changed = trio.Event()
+
+    def planning(self, on: bool) -> None:
+        """An auto-plan load measures first (`planning`), then loads (`loading`)."""
+        self._set_state(Lifecycle.PLANNING if on else Lifecycle.LOADING)
 
     def publish_state(self) -> None:
         self.bus.publish("state", self.info())
@@ -270,39 +348,36 @@ class ServerState:
     def begin_load(self, path: str | None, values: dict[str, Any]) -> None:
         """Start a load in the background (the 202 of POST /api/session/load)."""
         if self._nursery is None:
-            raise RuntimeError("ServerState.attach() was not called")
+            raise RuntimeError("Runtime.attach() was not called")
         self.asleep = None                 # a load (the wake's or another) ends a sleep
-        self.state = "loading"
-        self.error = ""
         self.load_started = time.monotonic()
-        self._set_state("loading")
+        self._set_state(Lifecycle.LOADING)
         self._nursery.start_soon(self._load, path, dict(values))
 
     async def _load(self, path: str | None, values: dict[str, Any]) -> None:
         async with self._load_lock:
             await self._close_session()
-            self.state = "loading"
             self.load_started = time.monotonic()
-            self._set_state("loading")
+            self._set_state(Lifecycle.LOADING)
             if not path:
-                self._set_state("error", "No model is set: choose a model file to load.")
+                self._set_state(Lifecycle.ERROR, "No model is set: choose a model file to load.")
                 return
             try:
                 if self.planner is not None:       # auto-plan: measure, apply, then load
                     values = await self.planner.before_load(path, values)
                 session = await self._open_on_engine(path, values)
             except EngineError as e:              # its settings named by their labels
-                self._set_state("error", params.render(e.message))
+                self._set_state(Lifecycle.ERROR, params.render(e.message))
                 self.bus.log("error", f"load failed: {params.render(e.message)}")
                 return
             except Exception as e:  # noqa: BLE001 - a load failure is reported, not raised
-                self._set_state("error", f"The model could not be loaded: {e}")
+                self._set_state(Lifecycle.ERROR, f"The model could not be loaded: {e}")
                 self.bus.log("error", f"load failed: {e!r}")
                 return
             self.session = session
             self.loaded_values = values
             self.ctx_refused = False
-            self._set_state("ready")
+            self._set_state(Lifecycle.READY)
             self.bus.log("info", f"loaded {session.path.name} ({session.arch}, n_ctx "
                          f"{session.n_ctx}, streaming {'on' if session.streamer else 'off'}, "
                          f"{session.kernels.line()}, chat format "
@@ -335,7 +410,7 @@ class ServerState:
         async with self._load_lock:
             await self._close_session()
             self.asleep = None             # unloaded on purpose: nothing to wake
-            self._set_state("empty")
+            self._set_state(Lifecycle.EMPTY)
 
     async def _close_session(self) -> None:
         self.cancel_current()
@@ -349,9 +424,9 @@ class ServerState:
         """The loaded session (waking a sleeping one); waits through a load; 503 no_model
         when nothing is loaded."""
         self.wake()
-        while self.state in ("loading", "planning"):   # an auto load measures first
+        while self.state.loading:          # an auto load measures first
             await self._changed.wait()
-        if self.session is None or self.state != "ready":
+        if self.session is None or self.state != Lifecycle.READY:
             raise HTTPError(503, "no_model", "No model is loaded. Load one with "
                             "POST /api/session/load or start the server with -m.")
         return self.session

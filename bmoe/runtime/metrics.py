@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import trio
-
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector

@@ -8,7 +8,7 @@ bytes); this module is everything between them, written once:
 1. `Turn` takes a place in the turn line (503 `busy` when 16 already wait), waits for
    the model and the turn, and prepares the prompt on the engine thread (the engine
    renders, tokenizes, checks the context and picks the grammar).
-2. `Turn.run` marks the generation with `state.turn(cancel)` (the one way to say
+2. `Turn.run` marks the generation with `state.generation(cancel)` (the one way to say
    "generating"), runs it on the engine thread and reads its tokens back through a
    `TokenPipe`. A cancelled caller (its client went away) sets the turn's cancel flag
    and waits, shielded, for the engine to let go.
@@ -16,19 +16,17 @@ bytes); this module is everything between them, written once:
    encoder's `emit`: `Opened`, `Waiting`/`Ping` keep-alives, `Started`, the deltas,
    then `Finished` or `Failed`. A completed answer to a schema must parse as JSON
    (else 500 `invalid_output`, the turn rolled back out of the KV).
-4. `serve` is the whole HTTP side of a turn for any protocol: a JSON answer, or an SSE
-   stream. When the line is free a stream takes the turn and prepares it before the
-   200, so a refusal is a plain error response; a stream that must wait answers 200
-   at once and a later refusal arrives as the encoder's error event.
+
+The HTTP side of a turn (a JSON answer or an SSE stream, for any protocol) is
+`bmoe/server/serving.py`; the agent drives turns with `drive` directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import threading
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -36,11 +34,9 @@ from ..engine.errors import EngineError
 from ..engine.session import PrefillProgress, Session, TokenEvent
 from ..engine.turn import Prepared, TurnRequest, TurnResult, prepare, run_turn
 from ..http.errors import HTTPError
-from ..http.types import Response, Send, StreamResponse
 from .bridge import TokenPipe, let_go, wait_future
-from .state import ServerState
-from .turnevents import (Failed, Finished, Opened, Ping, Progress, Shape, Started, Stopped,
-                         TurnEvent, TurnOutput, Waiting)
+from .state import Runtime
+from .turnevents import Finished, Ping, Progress, Shape, Started, Stopped, TurnEvent, TurnOutput, Waiting
 
 IDLE_PING_S = 15.0  # a running stream with nothing to send for this long gets a keep-alive
 
@@ -48,21 +44,10 @@ Batch = list[tuple[TokenEvent | PrefillProgress, dict[str, Any] | None]]
 Emit = Callable[[TurnEvent], Awaitable[None]]
 
 
-class Encoder(Protocol):
-    """One protocol's answer: sans-I/O, one per request."""
-
-    shape: Shape                                # the delta shape the stream wants
-    headers: list[tuple[str, str]]              # the stream's extra headers
-
-    def new_call_id(self) -> str: ...
-    def encode(self, ev: TurnEvent) -> bytes: ...          # b"" when the event says nothing
-    def whole(self, fin: Finished) -> dict[str, Any]: ...  # the non-streaming body
-
-
 class Turn:
     """One request's turn: its place in line, the session it runs on, its prompt."""
 
-    def __init__(self, state: ServerState, req: TurnRequest) -> None:
+    def __init__(self, state: Runtime, req: TurnRequest) -> None:
         self.state = state
         self.req = req
         self.place = state.turns.reserve()   # 503 busy when the line is full
@@ -109,7 +94,7 @@ class Turn:
             finally:
                 pipe.close_writer()
 
-        with state.turn(self.cancel):
+        with state.generation(self.cancel):
             fut = state.engine.submit(job)
             try:
                 await _pump(state, pipe, on_batch, on_idle)
@@ -124,7 +109,7 @@ class Turn:
         return result
 
 
-def log_turn(state: ServerState, session: Session, result: TurnResult) -> None:
+def log_turn(state: Runtime, session: Session, result: TurnResult) -> None:
     gen, s = result.generation, result.summary
     hit = s.get("cache_hit_pct", -1)
     state.bus.log(
@@ -139,7 +124,7 @@ def log_turn(state: ServerState, session: Session, result: TurnResult) -> None:
                       f"{asked} tokens and the context left {len(gen.tokens)}; raise --ctx-size")
 
 
-async def _pump(state: ServerState, pipe: TokenPipe, on_batch: Callable[[Batch], Awaitable[None]],
+async def _pump(state: Runtime, pipe: TokenPipe, on_batch: Callable[[Batch], Awaitable[None]],
                 on_idle: Callable[[], Awaitable[None]] | None) -> None:
     while True:
         batch = None
@@ -197,7 +182,7 @@ async def drive(turn: Turn, emit: Emit, shape: Shape | None,
     return fin
 
 
-async def check_json_answer(state: ServerState, req: TurnRequest, result: TurnResult,
+async def check_json_answer(state: Runtime, req: TurnRequest, result: TurnResult,
                             out: TurnOutput) -> None:
     """A completed (`stop`) answer to a schema must parse; otherwise 500 invalid_output
     and the turn is rolled back out of the KV (the model stays loaded)."""
@@ -216,67 +201,3 @@ async def check_json_answer(state: ServerState, req: TurnRequest, result: TurnRe
         await wait_future(state.engine.submit(session.truncate_kv, result.generation.n_prompt))
     raise HTTPError(500, "invalid_output", "The model's answer is not valid JSON although the "
                     "request asked for JSON; the turn was rolled back.")
-
-
-async def _ignore(_ev: TurnEvent) -> None:
-    return None
-
-
-async def whole(state: ServerState, req: TurnRequest,
-                new_call_id: Callable[[], str] | None = None) -> Finished:
-    """A non-streaming turn, from its place in line to the checked final view."""
-    turn = Turn(state, req)
-    try:
-        return await drive(turn, _ignore, None, new_call_id)
-    finally:
-        turn.close()
-
-
-async def open_stream(state: ServerState, req: TurnRequest) -> Turn:
-    """A streaming turn's place in line. When the line is free the turn is taken and the
-    prompt prepared now, before the 200, so a refusal is a plain error response."""
-    turn = Turn(state, req)
-    if not state.turns.busy and state.state == "ready":
-        try:
-            await turn.start()
-        except BaseException:
-            turn.close()
-            raise
-    return turn
-
-
-async def stream(turn: Turn, encoder: Encoder, send: Send) -> None:
-    """Run an opened turn into `send`, through `encoder`; a refusal is its error event."""
-    async def emit(ev: TurnEvent) -> None:
-        data = encoder.encode(ev)
-        if data:
-            await send(data)
-
-    try:
-        await emit(Opened(turn.model or turn.state.model_name()))
-        await drive(turn, emit, encoder.shape, encoder.new_call_id)
-    except (EngineError, HTTPError) as e:
-        await emit(Failed(e))
-    finally:
-        turn.close()
-
-
-def require_model(state: ServerState) -> None:
-    """503 no_model before anything else, unless a load is under way (it is waited for)."""
-    if state.session is None and state.state not in ("loading", "planning"):
-        raise HTTPError(503, "no_model", "No model is loaded. Load one with "
-                        "POST /api/session/load or start the server with -m.")
-
-
-async def serve(state: ServerState, req: TurnRequest, encoder: Encoder, *, streaming: bool,
-                http_error: Callable[[EngineError], HTTPError]) -> Response | StreamResponse:
-    """The HTTP side of a turn for any protocol: a JSON answer or an SSE stream."""
-    require_model(state)
-    try:
-        if not streaming:
-            return Response.json(encoder.whole(await whole(state, req, encoder.new_call_id)))
-        turn = await open_stream(state, req)
-    except EngineError as e:
-        raise http_error(e) from None
-    return StreamResponse(produce=lambda send: stream(turn, encoder, send),
-                          headers=list(encoder.headers), on_close=turn.close)

@@ -29,11 +29,21 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Union
 
-from ..engine.chatparse import (THINK_CLOSE, THINK_OPEN, AppendOnlyStream, BlockClose,
-                                BlockEvent, BlockOpen, ChatDeltaStream, ParseView,
-                                choose_call_id, conversation_call_ids, random_call_ids)
-from ..engine.families import call_id_maker, output_parser, reasoning_markers
+from ..engine.chatparse import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    AppendOnlyStream,
+    BlockClose,
+    BlockEvent,
+    BlockOpen,
+    ChatDeltaStream,
+    ParseView,
+    choose_call_id,
+    conversation_call_ids,
+    random_call_ids,
+)
 from ..engine.errors import EngineError
+from ..engine.families import call_id_maker, output_parser, reasoning_markers
 from ..engine.session import Generation, PrefillProgress, TokenEvent
 from ..engine.turn import Prepared, TurnRequest
 from ..http.errors import HTTPError
