@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bmoe.server import anthropic, openai_chat, responses  # noqa: E402
+from bmoe.server.protocols import anthropic, openai_chat, responses  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "clients"
 DECODERS = {"/v1/messages": anthropic.decode, "/v1/responses": responses.decode,

@@ -14,13 +14,12 @@ from typing import Any, Iterator
 
 import anthropic
 import pytest
+from _protocol_support import keyed_server_at, open_stream, sse, think_server_at, wait_generating
+from conftest import ServerProcess, start_server
 
 from bmoe.http.errors import HTTPError
-from bmoe.server import anthropic as messages_api
 from bmoe.server import wire
-from _protocol_support import (keyed_server_at, open_stream, sse, think_server_at,
-                               wait_generating)
-from conftest import ServerProcess, start_server
+from bmoe.server.protocols import anthropic as messages_api
 
 NO_THINK = {"type": "disabled"}
 KEY = "test-key-anthropic"
@@ -91,7 +90,7 @@ def test_a_request_becomes_template_messages() -> None:
                         {"type": "tool_reference", "tool_name": "g"}]}]},
                 {"role": "system", "content": "later"},
                 {"role": "user", "content": "Q2"}]}
-    messages, images = messages_api.convert_messages(wire.parse(wire.MessagesBody, body))
+    messages, images = messages_api.convert_messages(wire.parse(messages_api.MessagesBody, body))
     assert len(images) == 0
     assert messages == [
         {"role": "system", "content": "A\n\nB"},
@@ -106,7 +105,7 @@ def test_a_request_becomes_template_messages() -> None:
 
 
 def tools_of(tools: list[dict[str, Any]]) -> Any:
-    return wire.parse(wire.MessagesBody, {"messages": user("x"), "tools": tools}).tools
+    return wire.parse(messages_api.MessagesBody, {"messages": user("x"), "tools": tools}).tools
 
 
 def test_tools_deferred_custom_and_server() -> None:

@@ -303,7 +303,7 @@ def small_route_cases() -> list[Case]:
     return cases
 
 
-# --- llama-server's routes (bmoe/server/completions.py, llama_compat.py) --------------------------
+# --- llama-server's routes (bmoe/server/protocols/completions.py, llama_compat.py) --------------------------
 
 def llama_cases() -> list[Case]:
     """Token ids out of the vocabulary, hostile sampling values, grammars and schemas:

@@ -26,7 +26,8 @@ from bmoe.runtime.turnevents import (
     ToolCallStart,
     Waiting,
 )
-from bmoe.server import anthropic, openai_chat, responses, shapes, wire
+from bmoe.server import shapes, wire
+from bmoe.server.protocols import anthropic, openai_chat, responses
 
 
 @dataclass

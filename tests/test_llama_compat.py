@@ -841,7 +841,7 @@ def test_chat_n_choices(srv: ServerProcess) -> None:
 def test_seeded_choices_take_seed_plus_i() -> None:
     from bmoe.engine.sampling import SEED_RANDOM, Sampling
     from bmoe.engine.turn import TurnRequest
-    from bmoe.server.choices import seeded
+    from bmoe.server.protocols.choices import seeded
     req = TurnRequest(messages=[])
     assert [r.sampling.seed for r in seeded(req, 3, Sampling(seed=7))] == [7, 8, 9]
     assert all(r.sampling.seed == SEED_RANDOM for r in seeded(req, 2, Sampling()))

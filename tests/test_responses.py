@@ -14,12 +14,11 @@ from typing import Any, Iterator
 
 import openai
 import pytest
-
-from bmoe.server import responses as responses_api
-from bmoe.server import wire
-from _protocol_support import (keyed_server_at, open_stream, sse, think_server_at,
-                               wait_generating)
+from _protocol_support import keyed_server_at, open_stream, sse, think_server_at, wait_generating
 from conftest import ServerProcess, start_server
+
+from bmoe.server import wire
+from bmoe.server.protocols import responses as responses_api
 
 NO_THINK = {"effort": "none"}
 KEY = "test-key-responses"
@@ -94,7 +93,7 @@ def test_input_items_become_template_messages() -> None:
         *ONE_TURN, *OUTPUTS,
         {"type": "message", "role": "system", "content": "later"},
         {"role": "user", "content": "Q2"}]}
-    messages, images = responses_api.convert_input(wire.parse(wire.ResponsesBody, body))
+    messages, images = responses_api.convert_input(wire.parse(responses_api.ResponsesBody, body))
     assert len(images) == 0
     assert messages == [
         {"role": "system", "content": "I\n\nD"},
@@ -112,7 +111,7 @@ def test_input_items_become_template_messages() -> None:
 
 
 def test_only_function_tools_are_described() -> None:
-    tools = responses_api.convert_tools(wire.parse(wire.ResponsesBody, {"input": "x", "tools": [
+    tools = responses_api.convert_tools(wire.parse(responses_api.ResponsesBody, {"input": "x", "tools": [
         {"type": "web_search"}, WEATHER, {"type": "custom", "name": "apply_patch"},
         {"type": "namespace", "name": "mcp"}]}).tools)
     assert tools == [{"type": "function", "function": {

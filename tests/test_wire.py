@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from bmoe.http.errors import HTTPError
-from bmoe.server import anthropic, completions, openai_chat, responses, wire
+from bmoe.server import wire
+from bmoe.server.protocols import anthropic, completions, openai_chat, responses
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "clients").glob("*.json"))
 DECODE = {"/v1/messages": anthropic.decode, "/v1/responses": responses.decode,

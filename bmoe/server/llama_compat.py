@@ -39,8 +39,9 @@ from ..http.types import Request, Response
 from ..models.download import sha256_of
 from ..runtime import metrics
 from ..runtime.state import Lifecycle, Runtime
-from . import completions, embeddings, gcp, llama_flags, openai_chat, responses, shapes, wire
+from . import gcp, llama_flags, shapes, wire
 from .llama_options import attach, llama_options, options_from, slot_count  # noqa: F401
+from .protocols import completions, embeddings, openai_chat, responses
 
 PROCESS_START = time.time()   # llama-server's /metrics header
 TOKENS_MAX = 1 << 20          # ids in one /detokenize body (the body cap bounds it too)

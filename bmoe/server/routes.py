@@ -29,19 +29,8 @@ from ..http.sse import sse_comment, sse_event
 from ..http.types import Handler, Request, Response, Send, StreamResponse
 from ..runtime.config import OutsideModelsDir, confine_model_path
 from ..runtime.state import Runtime
-from . import (
-    anthropic,
-    backends_routes,
-    decide,
-    llama_compat,
-    models_routes,
-    openai_chat,
-    plan_routes,
-    responses,
-    shapes,
-    wire,
-    ws,
-)
+from . import backends_routes, decide, llama_compat, models_routes, plan_routes, shapes, wire, ws
+from .protocols import anthropic, openai_chat, responses
 
 EVENTS_PING_S = 15.0  # a `: ping` comment on every event stream this often
 

@@ -1,4 +1,7 @@
-"""Request bodies as declarative wire models (pydantic v2).
+"""Request bodies as declarative wire models (pydantic v2): the rules, the server's own
+bodies, and the parts the protocols share. Each protocol's own bodies are declared in its
+module under `bmoe/server/protocols/` (`ChatBody`, `MessagesBody`, `ResponsesBody`), by
+these rules.
 
 Theory of operation
 -------------------
@@ -22,16 +25,22 @@ whether an image's bytes are an image, a part this server knows but does not tak
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field,
-                      StrictBool, StrictStr, Tag, ValidationError)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+)
 from pydantic_core import PydanticCustomError
 
-from ..engine.params import MAX_TEMPLATE_KWARGS_CHARS, TEMPLATE_OWN_VARIABLES
 from ..http.errors import invalid_request
 
 M = TypeVar("M", bound=BaseModel)
@@ -88,7 +97,7 @@ def tagged(key: str = "type", default: Callable[[dict[str, Any]], Any] | None = 
     return Discriminator(kind)
 
 
-def _problem(message: str) -> PydanticCustomError:
+def problem(message: str) -> PydanticCustomError:
     return PydanticCustomError("bmoe", message)
 
 
@@ -97,11 +106,11 @@ def _schema(value: Any) -> Any:
     if value is None:
         return None
     if isinstance(value, bool):
-        raise _problem("must be a JSON object schema; boolean schemas are not supported")
+        raise problem("must be a JSON object schema; boolean schemas are not supported")
     if not isinstance(value, dict):
-        raise _problem("must be a JSON object schema")
+        raise problem("must be a JSON object schema")
     if nesting_depth(value) > MAX_SCHEMA_DEPTH:
-        raise _problem(f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+        raise problem(f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
     return value or {"type": "object"}
 
 
@@ -111,9 +120,9 @@ def token_budget(value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not (isinstance(value, int) or
                                        (isinstance(value, float) and value.is_integer())):
-        raise _problem("must be a non-negative integer")
+        raise problem("must be a non-negative integer")
     if value < 0:
-        raise _problem("must be a non-negative integer")
+        raise problem("must be a non-negative integer")
     return int(value)
 
 
@@ -124,9 +133,9 @@ def Number(lo: float = -math.inf, hi: float = math.inf) -> AfterValidator:  # no
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not math.isfinite(value):
-            raise _problem("must be a finite number")
+            raise problem("must be a finite number")
         if not lo <= value <= hi:
-            raise _problem(f"must be between {lo:g} and {hi:g}")
+            raise problem(f"must be between {lo:g} and {hi:g}")
         return float(value)
     return AfterValidator(check)
 
@@ -139,9 +148,9 @@ def Integer(lo: int, hi: int) -> AfterValidator:  # noqa: N802
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _problem("must be an integer")
+            raise problem("must be an integer")
         if not lo <= value <= hi:
-            raise _problem(f"must be between {lo} and {hi}")
+            raise problem(f"must be between {lo} and {hi}")
         return value
     return AfterValidator(check)
 
@@ -252,71 +261,14 @@ class EmptyBody(Wire):
     """`POST /api/cancel` and `/api/session/unload`: any object (its fields are ignored)."""
 
 
-# -- OpenAI chat (`/v1/chat/completions`) ---------------------------------------------------
-
-class ChatText(Wire):
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ImageURL(Wire):
-    url: StrictStr
-
-
-class ChatImage(Wire):
-    type: Literal["image_url"]
-    image_url: ImageURL | StrictStr
-
-
-class ChatFilePart(Wire):
-    """Audio and files: known, and refused with a reason by the decoder."""
-    type: Literal["input_audio", "file", "audio"]
-
-
-ChatPart = Annotated[Annotated[ChatText, Tag("type=text")]
-                     | Annotated[ChatImage, Tag("type=image_url")]
-                     | Annotated[ChatFilePart, Tag("type=input_audio")]
-                     | Annotated[ChatFilePart, Tag("type=file")]
-                     | Annotated[ChatFilePart, Tag("type=audio")], tagged()]
-
-
-class ChatFunction(Wire):
-    name: StrictStr = ""
-    arguments: StrictStr | dict[str, Any] = "{}"
-
-
-class ChatToolCall(Wire):
-    id: StrictStr = ""
-    function: ChatFunction
-
-
-class ChatMessage(Wire):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[ChatPart] | None = None
-    tool_calls: list[ChatToolCall] | None = None
-    reasoning_content: StrictStr | None = None
-    tool_call_id: StrictStr | None = None
-
+# -- shared by the protocols (each protocol's own bodies are in its module under
+#    protocols/) --------------------------------------------------------------------
 
 class FunctionDef(Wire):
     """A function tool: OpenAI chat's `function`, a Responses `function` tool."""
     name: StrictStr = Field(min_length=1)
     description: StrictStr | None = None
     parameters: Schema = None
-
-
-class ChatTool(Wire):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class ChatChoiceName(Wire):
-    name: StrictStr
-
-
-class ChatNamedChoice(Wire):
-    type: Literal["function"]
-    function: ChatChoiceName
 
 
 class JsonSchemaFormat(Wire):
@@ -332,331 +284,5 @@ class ResponseFormat(Wire):
     json_schema: JsonSchemaFormat | None = None
 
 
-class TemplateVariables(Wire):
-    """A request's ``chat_template_kwargs`` (llama-server's): template variables, JSON
-    values as the server's ``--chat-template-kwargs`` holds them; ``enable_thinking`` is
-    the turn's thinking switch too."""
-    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
-    enable_thinking: StrictBool | None = None
-
-    def variables(self) -> dict[str, Any]:
-        """The variables the template reads (enable_thinking when it was given)."""
-        out = dict(self.model_extra or {})
-        if self.enable_thinking is not None:
-            out["enable_thinking"] = self.enable_thinking
-        return out
-
-
-def _template_kwargs(value: TemplateVariables | None) -> TemplateVariables | None:
-    """Bounded as the setting is: its JSON size, its nesting, and none of the variables
-    the server gives the template itself."""
-    if value is None:
-        return None
-    extra = value.model_extra or {}
-    if nesting_depth(extra) > MAX_SCHEMA_DEPTH:
-        raise _problem(f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
-    size = len(json.dumps(extra))
-    if size > MAX_TEMPLATE_KWARGS_CHARS:
-        raise _problem(f"is {size:,} characters of JSON; the limit is "
-                       f"{MAX_TEMPLATE_KWARGS_CHARS:,}")
-    taken = sorted(k for k in extra if k in TEMPLATE_OWN_VARIABLES)
-    if taken:
-        raise _problem(f"cannot set {', '.join(taken)}: the server gives the template those "
-                       "itself")
-    return value
-
-
-TemplateKwargs = Annotated[TemplateVariables | None, AfterValidator(_template_kwargs)]
-
-
 class StreamOptions(Wire):
     include_usage: StrictBool | None = None
-
-
-class ChatBody(Wire):
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ChatTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | ChatNamedChoice | None = None
-    stream: StrictBool | None = None
-    stream_options: StreamOptions | None = None
-    chat_template_kwargs: TemplateKwargs = None
-    think: StrictBool | None = None
-    reasoning_effort: StrictStr | None = None
-    grammar: StrictStr | None = None
-    parallel_tool_calls: StrictBool | None = None
-    response_format: ResponseFormat | None = None
-    max_tokens: TokenBudget = None
-    max_completion_tokens: TokenBudget = None
-    json_schema: Schema = None
-    n: Any = None
-    logprobs: StrictBool | None = None
-    top_logprobs: Annotated[Any, Integer(0, TOP_LOGPROBS_MAX)] = None
-    return_progress: StrictBool | None = None       # llama-server's: the prefill's progress
-    timings_per_token: StrictBool | None = None     # ... and its timings on the stream
-    add_generation_prompt: StrictBool | None = None             # llama-server's and vLLM's:
-    continue_final_message: StrictBool | StrictStr | None = None  # an answer continued
-
-
-# -- Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) --------------------------
-
-class TextBlock(Wire):
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ImageSource(Wire):
-    type: StrictStr                  # only "base64" is read: the decoder says why
-    media_type: StrictStr = ""
-    data: StrictStr = ""
-
-
-class ImageBlock(Wire):
-    type: Literal["image"]
-    source: ImageSource
-
-
-class DocumentBlock(Wire):
-    """Known, and refused with a reason by the decoder."""
-    type: Literal["document"]
-
-
-class ToolReference(Wire):
-    type: Literal["tool_reference"]
-    tool_name: StrictStr
-
-
-ResultPart = Annotated[Annotated[TextBlock, Tag("type=text")]
-                       | Annotated[ImageBlock, Tag("type=image")]
-                       | Annotated[ToolReference, Tag("type=tool_reference")]
-                       | Annotated[DocumentBlock, Tag("type=document")], tagged()]
-
-
-class ToolResultBlock(Wire):
-    type: Literal["tool_result"]
-    tool_use_id: StrictStr
-    content: StrictStr | list[ResultPart] | None = None
-
-
-class ThinkingBlock(Wire):
-    type: Literal["thinking"]
-    thinking: StrictStr
-
-
-class RedactedThinking(Wire):
-    type: Literal["redacted_thinking"]
-
-
-class ToolUseBlock(Wire):
-    type: Literal["tool_use"]
-    id: StrictStr
-    name: StrictStr
-    input: dict[str, Any] | None = None
-
-
-UserBlock = Annotated[Annotated[TextBlock, Tag("type=text")]
-                      | Annotated[ImageBlock, Tag("type=image")]
-                      | Annotated[ToolResultBlock, Tag("type=tool_result")]
-                      | Annotated[DocumentBlock, Tag("type=document")], tagged()]
-AssistantBlock = Annotated[Annotated[TextBlock, Tag("type=text")]
-                           | Annotated[ThinkingBlock, Tag("type=thinking")]
-                           | Annotated[RedactedThinking, Tag("type=redacted_thinking")]
-                           | Annotated[ToolUseBlock, Tag("type=tool_use")], tagged()]
-
-
-class UserMessage(Wire):
-    role: Literal["user"]
-    content: StrictStr | list[UserBlock]
-
-
-class AssistantMessage(Wire):
-    role: Literal["assistant"]
-    content: StrictStr | list[AssistantBlock]
-
-
-class SystemMessage(Wire):
-    role: Literal["system"]
-    content: StrictStr | list[TextBlock]
-
-
-Message = Annotated[Annotated[UserMessage, Tag("role=user")]
-                    | Annotated[AssistantMessage, Tag("role=assistant")]
-                    | Annotated[SystemMessage, Tag("role=system")], tagged("role")]
-
-
-class ClientTool(Wire):
-    type: Literal["custom"] | None = None
-    name: StrictStr = Field(min_length=1)
-    description: StrictStr | None = None
-    input_schema: Schema = None
-    defer_loading: StrictBool | None = None
-
-
-class ServerTool(Wire):
-    """A tool the provider runs (`web_search_...`): refused by the decoder."""
-    type: StrictStr
-
-
-MessagesTool = Annotated[Annotated[ClientTool, Tag("type=custom")]
-                         | Annotated[ServerTool, Tag("type=*")],
-                         tagged(default=lambda _: "custom", only=("custom",))]
-
-
-class MessagesKindChoice(Wire):
-    type: Literal["auto", "any", "none"]
-
-
-class MessagesNamedChoice(Wire):
-    type: Literal["tool"]
-    name: StrictStr
-
-
-MessagesChoice = Annotated[Annotated[MessagesKindChoice, Tag("type=auto")]
-                           | Annotated[MessagesKindChoice, Tag("type=any")]
-                           | Annotated[MessagesKindChoice, Tag("type=none")]
-                           | Annotated[MessagesNamedChoice, Tag("type=tool")], tagged()]
-
-
-class ThinkingConfig(Wire):
-    type: Literal["enabled", "adaptive", "disabled"]
-
-
-class OutputFormat(Wire):
-    type: Literal["json_schema"]
-    schema_: Schema = Field(None, alias="schema")
-
-
-class OutputConfig(Wire):
-    format: OutputFormat | None = None
-
-
-class MessagesBody(Wire):
-    messages: list[Message]              # empty: answered, as llama-server answers it
-    system: StrictStr | list[TextBlock] | None = None
-    tools: list[MessagesTool] | None = None
-    tool_choice: MessagesChoice | None = None
-    stream: StrictBool | None = None
-    thinking: ThinkingConfig | None = None
-    output_config: OutputConfig | None = None
-    max_tokens: TokenBudget = None
-
-
-# -- OpenAI Responses (`/v1/responses`) -----------------------------------------------------------
-
-class InputText(Wire):
-    type: Literal["input_text", "output_text"]
-    text: StrictStr
-
-
-class Refusal(Wire):
-    type: Literal["refusal"]
-    refusal: StrictStr
-
-
-class InputImage(Wire):
-    type: Literal["input_image"]
-    image_url: StrictStr | None = None
-    file_id: Any = None
-
-
-class InputFile(Wire):
-    """Files and audio: known, and refused with a reason by the decoder."""
-    type: Literal["input_file", "input_audio", "file", "audio"]
-
-
-InputPart = Annotated[Annotated[InputText, Tag("type=input_text")]
-                      | Annotated[InputText, Tag("type=output_text")]
-                      | Annotated[Refusal, Tag("type=refusal")]
-                      | Annotated[InputImage, Tag("type=input_image")]
-                      | Annotated[InputFile, Tag("type=input_file")]
-                      | Annotated[InputFile, Tag("type=input_audio")]
-                      | Annotated[InputFile, Tag("type=file")]
-                      | Annotated[InputFile, Tag("type=audio")], tagged()]
-
-
-class MessageItem(Wire):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: StrictStr | list[InputPart]
-
-
-class FunctionCallItem(Wire):
-    type: Literal["function_call"]
-    call_id: StrictStr
-    name: StrictStr
-    arguments: StrictStr | None = None
-
-
-class FunctionCallOutputItem(Wire):
-    type: Literal["function_call_output"]
-    call_id: StrictStr
-    output: StrictStr | list[InputPart]
-
-
-class ReasoningText(Wire):
-    type: Literal["reasoning_text"]
-    text: StrictStr
-
-
-ReasoningPart = Annotated[Annotated[ReasoningText, Tag("type=reasoning_text")]
-                          | Annotated[Other, Tag("type=*")],
-                          tagged(only=("reasoning_text",))]
-
-
-class ReasoningItem(Wire):
-    type: Literal["reasoning"]
-    content: list[ReasoningPart] | None = None
-
-
-class ItemReference(Wire):
-    """A stored item: refused by the decoder (nothing is stored here)."""
-    type: Literal["item_reference"]
-
-
-InputItem = Annotated[Annotated[MessageItem, Tag("type=message")]
-                      | Annotated[FunctionCallItem, Tag("type=function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("type=function_call_output")]
-                      | Annotated[ReasoningItem, Tag("type=reasoning")]
-                      | Annotated[ItemReference, Tag("type=item_reference")],
-                      tagged(default=lambda item: "message" if "role" in item else None)]
-
-
-class FunctionTool(FunctionDef):
-    type: Literal["function"]
-
-
-ResponsesTool = Annotated[Annotated[FunctionTool, Tag("type=function")]
-                          | Annotated[Other, Tag("type=*")], tagged(only=("function",))]
-
-
-class ResponsesNamedChoice(Wire):
-    type: Literal["function"]
-    name: StrictStr
-
-
-class TextFormat(Wire):
-    type: Literal["text", "json_object", "json_schema"] | None = None
-    schema_: Schema = Field(None, alias="schema")
-
-
-class TextConfig(Wire):
-    format: TextFormat | None = None
-
-
-class ReasoningConfig(Wire):
-    effort: StrictStr | None = None
-
-
-class ResponsesBody(Wire):
-    input: StrictStr | list[InputItem]
-    instructions: StrictStr | None = None
-    tools: list[ResponsesTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | ResponsesNamedChoice | None = None
-    stream: StrictBool | None = None
-    reasoning: ReasoningConfig | None = None
-    text: TextConfig | None = None
-    max_output_tokens: TokenBudget = None
-    background: Any = None
-    previous_response_id: Any = None
-    conversation: Any = None
-    return_progress: StrictBool | None = None      # llama-server's: the prefill's progress
-    timings_per_token: StrictBool | None = None    # ... and timings on every delta

@@ -29,14 +29,14 @@ from typing import Annotated, Any
 
 from pydantic import StrictBool, StrictStr
 
-from ..engine.errors import EngineError
-from ..engine.sampling import LOGIT_BIAS_ENTRIES_MAX, LOGIT_BIAS_MAX, N_PROBS_MAX, SEED_RANDOM, Sampling
-from ..engine.turn import TurnRequest
-from ..http.errors import HTTPError, invalid_request
-from ..http.sse import sse_comment, sse_done, sse_event
-from ..http.types import Request, Response, StreamResponse
-from ..runtime.state import Runtime
-from ..runtime.turnevents import (
+from ...engine.errors import EngineError
+from ...engine.sampling import LOGIT_BIAS_ENTRIES_MAX, LOGIT_BIAS_MAX, N_PROBS_MAX, SEED_RANDOM, Sampling
+from ...engine.turn import TurnRequest
+from ...http.errors import HTTPError, invalid_request
+from ...http.sse import sse_comment, sse_done, sse_event
+from ...http.types import Request, Response, StreamResponse
+from ...runtime.state import Runtime
+from ...runtime.turnevents import (
     Failed,
     Finished,
     Ping,
@@ -49,10 +49,11 @@ from ..runtime.turnevents import (
     generation_timings,
     progress_timings,
 )
-from . import choices, serving, wire
+from .. import serving, wire
+from ..llama_options import slot_count
+from ..shapes import engine_http_error, llama_error_body
+from . import choices
 from .choices import Tally
-from .llama_options import slot_count
-from .shapes import engine_http_error, llama_error_body
 
 I32_MAX = 2**31 - 1
 PROMPT_PARTS_MAX = 1 << 20       # ids and strings in one prompt (the body cap bounds it too)

@@ -6,19 +6,22 @@ import json
 import secrets
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
-from ..engine import families
-from ..engine.chatparse import random_call_ids
-from ..engine.errors import EngineError
-from ..engine.images import ImageSet
-from ..engine.sampling import SEED_RANDOM, Sampling
-from ..engine.turn import TurnRequest
-from ..http.errors import HTTPError, invalid_request
-from ..http.sse import sse_comment, sse_done, sse_event
-from ..http.types import Request, Response, StreamResponse
-from ..runtime.state import Runtime
-from ..runtime.turnevents import (
+from pydantic import AfterValidator, ConfigDict, Field, StrictBool, StrictStr, Tag
+
+from ...engine import families
+from ...engine.chatparse import random_call_ids
+from ...engine.errors import EngineError
+from ...engine.images import ImageSet
+from ...engine.params import MAX_TEMPLATE_KWARGS_CHARS, TEMPLATE_OWN_VARIABLES
+from ...engine.sampling import SEED_RANDOM, Sampling
+from ...engine.turn import TurnRequest
+from ...http.errors import HTTPError, invalid_request
+from ...http.sse import sse_comment, sse_done, sse_event
+from ...http.types import Request, Response, StreamResponse
+from ...runtime.state import Runtime
+from ...runtime.turnevents import (
     Decoded,
     Failed,
     Finished,
@@ -37,24 +40,160 @@ from ..runtime.turnevents import (
     Waiting,
     generation_timings,
 )
-from . import chatreq, choices, serving, wire
-from .imageparts import image_part, read_images
-from .llama_options import llama_options
-from .shapes import engine_http_error
+from .. import chatreq, serving, wire
+from ..imageparts import image_part, read_images
+from ..llama_options import llama_options
+from ..shapes import engine_http_error
+from ..wire import (
+    MAX_SCHEMA_DEPTH,
+    TOP_LOGPROBS_MAX,
+    FunctionDef,
+    Integer,
+    ResponseFormat,
+    Schema,
+    StreamOptions,
+    TokenBudget,
+    Wire,
+    nesting_depth,
+    problem,
+    tagged,
+)
+from . import choices
+
+# -- the wire: the request's body, checked as wire.py says ---------------------------
+
+class ChatText(Wire):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageURL(Wire):
+    url: StrictStr
+
+
+class ChatImage(Wire):
+    type: Literal["image_url"]
+    image_url: ImageURL | StrictStr
+
+
+class ChatFilePart(Wire):
+    """Audio and files: known, and refused with a reason by the decoder."""
+    type: Literal["input_audio", "file", "audio"]
+
+
+ChatPart = Annotated[Annotated[ChatText, Tag("type=text")]
+                     | Annotated[ChatImage, Tag("type=image_url")]
+                     | Annotated[ChatFilePart, Tag("type=input_audio")]
+                     | Annotated[ChatFilePart, Tag("type=file")]
+                     | Annotated[ChatFilePart, Tag("type=audio")], tagged()]
+
+
+class ChatFunction(Wire):
+    name: StrictStr = ""
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class ChatToolCall(Wire):
+    id: StrictStr = ""
+    function: ChatFunction
+
+
+class ChatMessage(Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ChatPart] | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    reasoning_content: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class ChatTool(Wire):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatChoiceName(Wire):
+    name: StrictStr
+
+
+class ChatNamedChoice(Wire):
+    type: Literal["function"]
+    function: ChatChoiceName
+
+
+class TemplateVariables(Wire):
+    """A request's ``chat_template_kwargs`` (llama-server's): template variables, JSON
+    values as the server's ``--chat-template-kwargs`` holds them; ``enable_thinking`` is
+    the turn's thinking switch too."""
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+    enable_thinking: StrictBool | None = None
+
+    def variables(self) -> dict[str, Any]:
+        """The variables the template reads (enable_thinking when it was given)."""
+        out = dict(self.model_extra or {})
+        if self.enable_thinking is not None:
+            out["enable_thinking"] = self.enable_thinking
+        return out
+
+
+def _template_kwargs(value: TemplateVariables | None) -> TemplateVariables | None:
+    """Bounded as the setting is: its JSON size, its nesting, and none of the variables
+    the server gives the template itself."""
+    if value is None:
+        return None
+    extra = value.model_extra or {}
+    if nesting_depth(extra) > MAX_SCHEMA_DEPTH:
+        raise problem(f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+    size = len(json.dumps(extra))
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise problem(f"is {size:,} characters of JSON; the limit is "
+                       f"{MAX_TEMPLATE_KWARGS_CHARS:,}")
+    taken = sorted(k for k in extra if k in TEMPLATE_OWN_VARIABLES)
+    if taken:
+        raise problem(f"cannot set {', '.join(taken)}: the server gives the template those "
+                       "itself")
+    return value
+
+
+TemplateKwargs = Annotated[TemplateVariables | None, AfterValidator(_template_kwargs)]
+
+
+class ChatBody(Wire):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ChatNamedChoice | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: TemplateKwargs = None
+    think: StrictBool | None = None
+    reasoning_effort: StrictStr | None = None
+    grammar: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    max_tokens: TokenBudget = None
+    max_completion_tokens: TokenBudget = None
+    json_schema: Schema = None
+    n: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[Any, Integer(0, TOP_LOGPROBS_MAX)] = None
+    return_progress: StrictBool | None = None       # llama-server's: the prefill's progress
+    timings_per_token: StrictBool | None = None     # ... and its timings on the stream
+    add_generation_prompt: StrictBool | None = None             # llama-server's and vLLM's:
+    continue_final_message: StrictBool | StrictStr | None = None  # an answer continued
+
 
 # -- request ------------------------------------------------------------------
-# `wire.ChatBody` has checked every field's type; what is left here is meaning.
+# `ChatBody` has checked every field's type; what is left here is meaning.
 
 def _text_of_parts(parts: list[Any], where: str, images: ImageSet | None,
                    message: str) -> str:
     out = []
     for i, part in enumerate(parts):
         match part:
-            case wire.ChatText(text=text):
+            case ChatText(text=text):
                 out.append(text)
-            case wire.ChatImage(image_url=wire.ImageURL(url=url) | str(url)):
+            case ChatImage(image_url=ImageURL(url=url) | str(url)):
                 out.append(image_part(images, url, f"{where}[{i}].image_url.url", message))
-            case wire.ChatFilePart(type=kind):
+            case ChatFilePart(type=kind):
                 raise invalid_request(f"`{where}[{i}]`: {kind} parts are not supported; "
                                       "send text.")
     return "".join(out)
@@ -71,7 +210,7 @@ def _arguments(raw: str | dict[str, Any]) -> Any:
         return raw
 
 
-def convert_messages(messages: list[wire.ChatMessage]) -> tuple[list[dict[str, Any]], ImageSet]:
+def convert_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages and the images they carry (marked at their places)."""
     out: list[dict[str, Any]] = []
     images = ImageSet()
@@ -98,7 +237,7 @@ def convert_messages(messages: list[wire.ChatMessage]) -> tuple[list[dict[str, A
     return out, images
 
 
-def continuation(parsed: wire.ChatBody, messages: list[dict[str, Any]]) -> bool:
+def continuation(parsed: ChatBody, messages: list[dict[str, Any]]) -> bool:
     """Whether the answer goes on from the last message, as llama-server decides it: an
     assistant message last is the answer begun (a prefill) unless the request says
     otherwise; `continue_final_message` asks for it by name, and then
@@ -123,7 +262,7 @@ def continuation(parsed: wire.ChatBody, messages: list[dict[str, Any]]) -> bool:
     return begun
 
 
-def convert_tools(raw: list[wire.ChatTool] | None) -> list[dict[str, Any]] | None:
+def convert_tools(raw: list[ChatTool] | None) -> list[dict[str, Any]] | None:
     out = [chatreq.function_tool(t.function.name, t.function.description, t.function.parameters)
            for t in raw or []]
     return out or None
@@ -132,7 +271,7 @@ def convert_tools(raw: list[wire.ChatTool] | None) -> list[dict[str, Any]] | Non
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a chat body asks for (400 invalid_request naming the field otherwise)."""
     values = config.values
-    parsed = wire.parse(wire.ChatBody, body)
+    parsed = wire.parse(ChatBody, body)
     messages, images = convert_messages(parsed.messages)
     tools = convert_tools(parsed.tools)
     raw = parsed.tool_choice

@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..engine.sampling import SEED_RANDOM, Sampling
-from ..engine.turn import TurnRequest
-from ..http.errors import invalid_request
-from ..runtime.turnevents import Finished
+from ...engine.sampling import SEED_RANDOM, Sampling
+from ...engine.turn import TurnRequest
+from ...http.errors import invalid_request
+from ...runtime.turnevents import Finished
 
 N_CHOICES_MAX = 16               # the turn line's waiting places
 

@@ -32,13 +32,13 @@ import struct
 from functools import partial
 from typing import Any, Callable
 
-from ..engine import embed
-from ..engine.errors import EngineError
-from ..http.errors import invalid_request
-from ..http.routes import RouteTable
-from ..http.types import Request, Response
-from ..runtime.state import Runtime
-from . import shapes
+from ...engine import embed
+from ...engine.errors import EngineError
+from ...http.errors import invalid_request
+from ...http.routes import RouteTable
+from ...http.types import Request, Response
+from ...runtime.state import Runtime
+from .. import shapes
 from .completions import I32_MAX, PROMPT_STRINGS_MAX
 
 Part = str | int

@@ -29,18 +29,20 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from ..engine import families
-from ..engine.chatparse import BlockAppend, BlockClose, BlockOpen, ParseView
-from ..engine.errors import EngineError
-from ..engine.images import ImageSet
-from ..engine.turn import TurnRequest
-from ..http.errors import HTTPError, invalid_request
-from ..http.sse import SSE_HEADERS, sse_comment, sse_event
-from ..http.types import Request, Response, StreamResponse
-from ..runtime.state import Runtime
-from ..runtime.turnevents import (
+from pydantic import Field, StrictBool, StrictStr, Tag
+
+from ...engine import families
+from ...engine.chatparse import BlockAppend, BlockClose, BlockOpen, ParseView
+from ...engine.errors import EngineError
+from ...engine.images import ImageSet
+from ...engine.turn import TurnRequest
+from ...http.errors import HTTPError, invalid_request
+from ...http.sse import SSE_HEADERS, sse_comment, sse_event
+from ...http.types import Request, Response, StreamResponse
+from ...runtime.state import Runtime
+from ...runtime.turnevents import (
     Decoded,
     Failed,
     Finished,
@@ -55,16 +57,139 @@ from ..runtime.turnevents import (
     Waiting,
     generation_timings,
 )
-from . import chatreq, serving, wire
-from .imageparts import image_part, read_images
-from .shapes import responses_engine_error
+from .. import chatreq, serving, wire
+from ..imageparts import image_part, read_images
+from ..shapes import responses_engine_error
+from ..wire import FunctionDef, Other, Schema, TokenBudget, Wire, tagged
 
 STATEFUL = "This server is stateless: send the whole conversation in `input` (as with " \
            "`store: false`)."
 
 
+# -- the wire: the request's body, checked as wire.py says ---------------------------
+
+class InputText(Wire):
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+
+
+class Refusal(Wire):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+class InputImage(Wire):
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None
+    file_id: Any = None
+
+
+class InputFile(Wire):
+    """Files and audio: known, and refused with a reason by the decoder."""
+    type: Literal["input_file", "input_audio", "file", "audio"]
+
+
+InputPart = Annotated[Annotated[InputText, Tag("type=input_text")]
+                      | Annotated[InputText, Tag("type=output_text")]
+                      | Annotated[Refusal, Tag("type=refusal")]
+                      | Annotated[InputImage, Tag("type=input_image")]
+                      | Annotated[InputFile, Tag("type=input_file")]
+                      | Annotated[InputFile, Tag("type=input_audio")]
+                      | Annotated[InputFile, Tag("type=file")]
+                      | Annotated[InputFile, Tag("type=audio")], tagged()]
+
+
+class MessageItem(Wire):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: StrictStr | list[InputPart]
+
+
+class FunctionCallItem(Wire):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr | None = None
+
+
+class FunctionCallOutputItem(Wire):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[InputPart]
+
+
+class ReasoningText(Wire):
+    type: Literal["reasoning_text"]
+    text: StrictStr
+
+
+ReasoningPart = Annotated[Annotated[ReasoningText, Tag("type=reasoning_text")]
+                          | Annotated[Other, Tag("type=*")],
+                          tagged(only=("reasoning_text",))]
+
+
+class ReasoningItem(Wire):
+    type: Literal["reasoning"]
+    content: list[ReasoningPart] | None = None
+
+
+class ItemReference(Wire):
+    """A stored item: refused by the decoder (nothing is stored here)."""
+    type: Literal["item_reference"]
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("type=message")]
+                      | Annotated[FunctionCallItem, Tag("type=function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("type=function_call_output")]
+                      | Annotated[ReasoningItem, Tag("type=reasoning")]
+                      | Annotated[ItemReference, Tag("type=item_reference")],
+                      tagged(default=lambda item: "message" if "role" in item else None)]
+
+
+class FunctionTool(FunctionDef):
+    type: Literal["function"]
+
+
+ResponsesTool = Annotated[Annotated[FunctionTool, Tag("type=function")]
+                          | Annotated[Other, Tag("type=*")], tagged(only=("function",))]
+
+
+class ResponsesNamedChoice(Wire):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(Wire):
+    type: Literal["text", "json_object", "json_schema"] | None = None
+    schema_: Schema = Field(None, alias="schema")
+
+
+class TextConfig(Wire):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(Wire):
+    effort: StrictStr | None = None
+
+
+class ResponsesBody(Wire):
+    input: StrictStr | list[InputItem]
+    instructions: StrictStr | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesNamedChoice | None = None
+    stream: StrictBool | None = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    max_output_tokens: TokenBudget = None
+    background: Any = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    return_progress: StrictBool | None = None      # llama-server's: the prefill's progress
+    timings_per_token: StrictBool | None = None    # ... and timings on every delta
+
+
 # -- request ------------------------------------------------------------------
-# `wire.ResponsesBody` has checked every field's type; what is left here is meaning.
+# `ResponsesBody` has checked every field's type; what is left here is meaning.
 
 def _parts_text(content: str | list[Any], where: str, role: str, images: ImageSet | None,
                 sep: str = "\n\n", message: str = "") -> str:
@@ -75,18 +200,18 @@ def _parts_text(content: str | list[Any], where: str, role: str, images: ImageSe
     for i, part in enumerate(content):
         at = f"{where}[{i}]"
         match part:
-            case wire.InputText(text=text) | wire.Refusal(refusal=text):
+            case InputText(text=text) | Refusal(refusal=text):
                 texts.append(text)
-            case wire.InputImage() if role in ("user", "tool"):
+            case InputImage() if role in ("user", "tool"):
                 if part.file_id is not None:
                     raise invalid_request(f"`{at}.file_id`: files are not stored here; send "
                                           "the image inline as a data URL in `image_url`.")
                 texts.append(image_part(images, part.image_url, f"{at}.image_url",
                                         message or where))
-            case wire.InputImage():
+            case InputImage():
                 raise invalid_request(f"`{at}`: only a user message or a function_call_output "
                                       "carries images.")
-            case wire.InputFile(type=kind):
+            case InputFile(type=kind):
                 raise invalid_request(f"`{at}`: {kind} parts are not supported; send text.")
     return sep.join(texts)
 
@@ -121,22 +246,22 @@ class _Input:
 
     def add(self, item: Any, where: str) -> None:
         match item:
-            case wire.MessageItem():
+            case MessageItem():
                 self._message(item, where)
-            case wire.FunctionCallItem():
+            case FunctionCallItem():
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": _arguments(item.arguments)}}
                 self._assistant(False).setdefault("tool_calls", []).append(call)
-            case wire.FunctionCallOutputItem():
+            case FunctionCallOutputItem():
                 self._other({"role": "tool", "tool_call_id": item.call_id,
                              "content": _parts_text(item.output, f"{where}.output", "tool",
                                                     self.images, sep="\n")})
-            case wire.ReasoningItem():
+            case ReasoningItem():
                 self._reasoning(item)
-            case wire.ItemReference():
+            case ItemReference():
                 raise invalid_request(f"`{where}` is an item_reference. " + STATEFUL)
 
-    def _message(self, item: wire.MessageItem, where: str) -> None:
+    def _message(self, item: MessageItem, where: str) -> None:
         role, content = item.role, item.content
         if role == "assistant":
             turn = self._assistant(bool(self._turn and self._turn.get("tool_calls")))
@@ -146,15 +271,15 @@ class _Input:
                            self.images if role == "user" else None, message=where)
         self._other({"role": "user" if role == "user" else "system", "content": text})
 
-    def _reasoning(self, item: wire.ReasoningItem) -> None:
-        texts = [p.text for p in item.content or [] if isinstance(p, wire.ReasoningText)]
+    def _reasoning(self, item: ReasoningItem) -> None:
+        texts = [p.text for p in item.content or [] if isinstance(p, ReasoningText)]
         turn = self._turn
         turn = self._assistant(bool(turn and (turn["content"] or turn.get("tool_calls"))))
         if texts:
             turn["reasoning_content"] = turn.get("reasoning_content", "") + "".join(texts)
 
 
-def convert_input(body: wire.ResponsesBody) -> tuple[list[dict[str, Any]], ImageSet]:
+def convert_input(body: ResponsesBody) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages (one system message first) and the images they carry."""
     conv = _Input()
     if body.instructions:
@@ -177,11 +302,11 @@ def convert_input(body: wire.ResponsesBody) -> tuple[list[dict[str, Any]], Image
 def convert_tools(raw: list[Any] | None) -> list[dict[str, Any]] | None:
     """Function tools as the template reads them; every other tool type is dropped."""
     out = [chatreq.function_tool(t.name, t.description, t.parameters)
-           for t in raw or [] if isinstance(t, wire.FunctionTool)]
+           for t in raw or [] if isinstance(t, FunctionTool)]
     return out or None
 
 
-def _text_schema(raw: wire.TextConfig | None) -> dict[str, Any] | None:
+def _text_schema(raw: TextConfig | None) -> dict[str, Any] | None:
     kind = raw.format.type if raw is not None and raw.format is not None else None
     if kind is None or kind == "text" or raw is None or raw.format is None:
         return None
@@ -190,7 +315,7 @@ def _text_schema(raw: wire.TextConfig | None) -> dict[str, Any] | None:
     return raw.format.schema_ or {"type": "object"}
 
 
-def refuse_state(body: wire.ResponsesBody) -> None:
+def refuse_state(body: ResponsesBody) -> None:
     for key in ("previous_response_id", "conversation"):
         if getattr(body, key) is not None:
             raise invalid_request(f"`{key}` is not supported. " + STATEFUL)
@@ -201,7 +326,7 @@ def refuse_state(body: wire.ResponsesBody) -> None:
 
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a Responses body asks for (400 invalid_request naming the field otherwise)."""
-    parsed = wire.parse(wire.ResponsesBody, body)
+    parsed = wire.parse(ResponsesBody, body)
     refuse_state(parsed)
     messages, images = convert_input(parsed)
     tools = convert_tools(parsed.tools)

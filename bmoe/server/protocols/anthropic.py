@@ -28,20 +28,23 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from typing import Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
-from ..engine.chatparse import BlockAppend, BlockClose, BlockEvent, BlockOpen, ParseView
-from ..engine.errors import EngineError
-from ..engine.images import ImageSet
-from ..engine.turn import TurnRequest
-from ..http.errors import HTTPError, invalid_request
-from ..http.sse import SSE_HEADERS, sse_event
-from ..http.types import Request, Response, StreamResponse
-from ..runtime.state import Runtime
-from ..runtime.turnevents import Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting, opens_tool_call
-from . import chatreq, serving, wire
-from .imageparts import image_part, image_tokens, read_images
-from .shapes import anthropic_engine_error, anthropic_error
+from pydantic import Field, StrictBool, StrictStr, Tag
+
+from ...engine.chatparse import BlockAppend, BlockClose, BlockEvent, BlockOpen, ParseView
+from ...engine.errors import EngineError
+from ...engine.images import ImageSet
+from ...engine.turn import TurnRequest
+from ...http.errors import HTTPError, invalid_request
+from ...http.sse import SSE_HEADERS, sse_event
+from ...http.types import Request, Response, StreamResponse
+from ...runtime.state import Runtime
+from ...runtime.turnevents import Failed, Finished, Ping, Shape, Started, TurnEvent, Waiting, opens_tool_call
+from .. import chatreq, serving, wire
+from ..imageparts import image_part, image_tokens, read_images
+from ..shapes import anthropic_engine_error, anthropic_error
+from ..wire import Schema, TokenBudget, Wire, tagged
 
 log = logging.getLogger("bmoe.anthropic")
 
@@ -50,10 +53,155 @@ BYTES_PER_TOKEN = 3          # count_tokens' estimate: on the high side for code
 TOKENS_PER_MESSAGE = 4       # ... plus the role markup around each message
 
 
-# -- request ------------------------------------------------------------------
-# `wire.MessagesBody` has checked every field's type; what is left here is meaning.
+# -- the wire: the request's body, checked as wire.py says ---------------------------
 
-def system_text(raw: str | list[wire.TextBlock] | None) -> str:
+class TextBlock(Wire):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageSource(Wire):
+    type: StrictStr                  # only "base64" is read: the decoder says why
+    media_type: StrictStr = ""
+    data: StrictStr = ""
+
+
+class ImageBlock(Wire):
+    type: Literal["image"]
+    source: ImageSource
+
+
+class DocumentBlock(Wire):
+    """Known, and refused with a reason by the decoder."""
+    type: Literal["document"]
+
+
+class ToolReference(Wire):
+    type: Literal["tool_reference"]
+    tool_name: StrictStr
+
+
+ResultPart = Annotated[Annotated[TextBlock, Tag("type=text")]
+                       | Annotated[ImageBlock, Tag("type=image")]
+                       | Annotated[ToolReference, Tag("type=tool_reference")]
+                       | Annotated[DocumentBlock, Tag("type=document")], tagged()]
+
+
+class ToolResultBlock(Wire):
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[ResultPart] | None = None
+
+
+class ThinkingBlock(Wire):
+    type: Literal["thinking"]
+    thinking: StrictStr
+
+
+class RedactedThinking(Wire):
+    type: Literal["redacted_thinking"]
+
+
+class ToolUseBlock(Wire):
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any] | None = None
+
+
+UserBlock = Annotated[Annotated[TextBlock, Tag("type=text")]
+                      | Annotated[ImageBlock, Tag("type=image")]
+                      | Annotated[ToolResultBlock, Tag("type=tool_result")]
+                      | Annotated[DocumentBlock, Tag("type=document")], tagged()]
+
+
+AssistantBlock = Annotated[Annotated[TextBlock, Tag("type=text")]
+                           | Annotated[ThinkingBlock, Tag("type=thinking")]
+                           | Annotated[RedactedThinking, Tag("type=redacted_thinking")]
+                           | Annotated[ToolUseBlock, Tag("type=tool_use")], tagged()]
+
+
+class UserMessage(Wire):
+    role: Literal["user"]
+    content: StrictStr | list[UserBlock]
+
+
+class AssistantMessage(Wire):
+    role: Literal["assistant"]
+    content: StrictStr | list[AssistantBlock]
+
+
+class SystemMessage(Wire):
+    role: Literal["system"]
+    content: StrictStr | list[TextBlock]
+
+
+Message = Annotated[Annotated[UserMessage, Tag("role=user")]
+                    | Annotated[AssistantMessage, Tag("role=assistant")]
+                    | Annotated[SystemMessage, Tag("role=system")], tagged("role")]
+
+
+class ClientTool(Wire):
+    type: Literal["custom"] | None = None
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    input_schema: Schema = None
+    defer_loading: StrictBool | None = None
+
+
+class ServerTool(Wire):
+    """A tool the provider runs (`web_search_...`): refused by the decoder."""
+    type: StrictStr
+
+
+MessagesTool = Annotated[Annotated[ClientTool, Tag("type=custom")]
+                         | Annotated[ServerTool, Tag("type=*")],
+                         tagged(default=lambda _: "custom", only=("custom",))]
+
+
+class MessagesKindChoice(Wire):
+    type: Literal["auto", "any", "none"]
+
+
+class MessagesNamedChoice(Wire):
+    type: Literal["tool"]
+    name: StrictStr
+
+
+MessagesChoice = Annotated[Annotated[MessagesKindChoice, Tag("type=auto")]
+                           | Annotated[MessagesKindChoice, Tag("type=any")]
+                           | Annotated[MessagesKindChoice, Tag("type=none")]
+                           | Annotated[MessagesNamedChoice, Tag("type=tool")], tagged()]
+
+
+class ThinkingConfig(Wire):
+    type: Literal["enabled", "adaptive", "disabled"]
+
+
+class OutputFormat(Wire):
+    type: Literal["json_schema"]
+    schema_: Schema = Field(None, alias="schema")
+
+
+class OutputConfig(Wire):
+    format: OutputFormat | None = None
+
+
+class MessagesBody(Wire):
+    messages: list[Message]              # empty: answered, as llama-server answers it
+    system: StrictStr | list[TextBlock] | None = None
+    tools: list[MessagesTool] | None = None
+    tool_choice: MessagesChoice | None = None
+    stream: StrictBool | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    max_tokens: TokenBudget = None
+
+
+# -- request ------------------------------------------------------------------
+# `MessagesBody` has checked every field's type; what is left here is meaning.
+
+def system_text(raw: str | list[TextBlock] | None) -> str:
     """The `system` field, without Claude Code's billing header (it changes on every
     request, and would keep any request from reusing the KV)."""
     if raw is None:
@@ -69,7 +217,7 @@ def _refuse_document(where: str) -> NoReturn:
     raise invalid_request(f"`{where}`: documents are not supported; send text.")
 
 
-def _image(block: wire.ImageBlock, where: str, images: ImageSet, message: str) -> str:
+def _image(block: ImageBlock, where: str, images: ImageSet, message: str) -> str:
     source = block.source
     if source.type != "base64":
         raise invalid_request(f"`{where}.source.type` must be \"base64\": the server does not "
@@ -78,7 +226,7 @@ def _image(block: wire.ImageBlock, where: str, images: ImageSet, message: str) -
                       f"{where}.source", message)
 
 
-def _tool_result_text(block: wire.ToolResultBlock, where: str, images: ImageSet,
+def _tool_result_text(block: ToolResultBlock, where: str, images: ImageSet,
                       message: str) -> str:
     if block.content is None or isinstance(block.content, str):
         return block.content or ""
@@ -86,13 +234,13 @@ def _tool_result_text(block: wire.ToolResultBlock, where: str, images: ImageSet,
     for i, part in enumerate(block.content):
         at = f"{where}.content[{i}]"
         match part:
-            case wire.TextBlock(text=text):
+            case TextBlock(text=text):
                 parts.append(text)
-            case wire.ToolReference(tool_name=name):
+            case ToolReference(tool_name=name):
                 parts.append("Tool loaded: " + name)
-            case wire.ImageBlock():
+            case ImageBlock():
                 parts.append(_image(part, at, images, message))
-            case wire.DocumentBlock():
+            case DocumentBlock():
                 _refuse_document(at)
     return "\n".join(parts)
 
@@ -103,14 +251,14 @@ def _user_message(blocks: list[Any], where: str, images: ImageSet) -> list[dict[
     for i, block in enumerate(blocks):
         at = f"{where}[{i}]"
         match block:
-            case wire.TextBlock(text=text):
+            case TextBlock(text=text):
                 texts.append(text)
-            case wire.ImageBlock():
+            case ImageBlock():
                 texts.append(_image(block, at, images, where))
-            case wire.ToolResultBlock():
+            case ToolResultBlock():
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id,
                                 "content": _tool_result_text(block, at, images, where)})
-            case wire.DocumentBlock():
+            case DocumentBlock():
                 _refuse_document(at)
     if texts or not results:
         results.append({"role": "user", "content": "\n\n".join(texts)})
@@ -121,11 +269,11 @@ def _assistant_message(blocks: list[Any]) -> dict[str, Any]:
     texts, thinking, calls = [], [], []
     for block in blocks:
         match block:
-            case wire.TextBlock(text=text):
+            case TextBlock(text=text):
                 texts.append(text)
-            case wire.ThinkingBlock(thinking=text):
+            case ThinkingBlock(thinking=text):
                 thinking.append(text)
-            case wire.ToolUseBlock():
+            case ToolUseBlock():
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": block.input or {}}})
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
@@ -136,7 +284,7 @@ def _assistant_message(blocks: list[Any]) -> dict[str, Any]:
     return msg
 
 
-def convert_messages(body: wire.MessagesBody) -> tuple[list[dict[str, Any]], ImageSet]:
+def convert_messages(body: MessagesBody) -> tuple[list[dict[str, Any]], ImageSet]:
     """Template-ready messages (one system message first) and the images they carry."""
     images = ImageSet()
     out: list[dict[str, Any]] = []
@@ -146,9 +294,9 @@ def convert_messages(body: wire.MessagesBody) -> tuple[list[dict[str, Any]], Ima
     for i, msg in enumerate(body.messages):
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
-        elif isinstance(msg, wire.SystemMessage):
+        elif isinstance(msg, SystemMessage):
             out.append({"role": "system", "content": "\n\n".join(b.text for b in msg.content)})
-        elif isinstance(msg, wire.UserMessage):
+        elif isinstance(msg, UserMessage):
             out += _user_message(msg.content, f"messages[{i}].content", images)
         else:
             out.append(_assistant_message(msg.content))
@@ -167,11 +315,11 @@ def convert_messages(body: wire.MessagesBody) -> tuple[list[dict[str, Any]], Ima
     return out, images
 
 
-def convert_tools(raw: list[wire.ClientTool | wire.ServerTool] | None) -> list[dict[str, Any]] | None:
+def convert_tools(raw: list[ClientTool | ServerTool] | None) -> list[dict[str, Any]] | None:
     """Client tools as the template reads them; `defer_loading` ones are not described."""
     out = []
     for i, tool in enumerate(raw or []):
-        if isinstance(tool, wire.ServerTool):
+        if isinstance(tool, ServerTool):
             raise invalid_request(f"`tools[{i}]` is a server tool ({tool.type!r}); nothing here "
                                   "runs it. Send client tools only.")
         if not tool.defer_loading:
@@ -179,7 +327,7 @@ def convert_tools(raw: list[wire.ClientTool | wire.ServerTool] | None) -> list[d
     return out or None
 
 
-def _output_schema(raw: wire.OutputConfig | None) -> dict[str, Any] | None:
+def _output_schema(raw: OutputConfig | None) -> dict[str, Any] | None:
     if raw is None or raw.format is None:
         return None
     return raw.format.schema_ or {"type": "object"}
@@ -188,13 +336,13 @@ def _output_schema(raw: wire.OutputConfig | None) -> dict[str, Any] | None:
 def read_turn(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ImageSet]:
     """The turn a body asks for and the images it carries: every field checked, no model
     needed (count_tokens reads the same body)."""
-    parsed = wire.parse(wire.MessagesBody, body)
+    parsed = wire.parse(MessagesBody, body)
     messages, images = convert_messages(parsed)
     tools = convert_tools(parsed.tools)
     raw = parsed.tool_choice           # "any" is OpenAI's "required"; "tool" names one
     choice, named = chatreq.tool_choice(
         None if raw is None else ("required" if raw.type == "any" else raw.type),
-        raw.name if isinstance(raw, wire.MessagesNamedChoice) else None, tools)
+        raw.name if isinstance(raw, MessagesNamedChoice) else None, tools)
     think = None if parsed.thinking is None else parsed.thinking.type != "disabled"
     req = TurnRequest(messages=messages, tools=tools, tool_choice=choice, named_tool=named,
                       max_tokens=chatreq.budget(parsed.max_tokens, "max_tokens", config.values),
