@@ -29,7 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from bmoe.server.llama_compat import env_argv
+from bmoe.server import llama_flags
+from bmoe.server.main import build_parser
 
 KEY = "llama-compat-test-key"
 N_VOCAB = 576          # the tiny MoE's vocabulary (bmoe.modelmaker)
@@ -45,6 +46,11 @@ SETTINGS_FIELDS = {"temperature", "top_k", "top_p", "min_p", "repeat_penalty", "
 TIMINGS_FIELDS = {"prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
                   "predicted_n", "predicted_ms", "predicted_per_token_ms",
                   "predicted_per_second", "cache_n"}
+
+
+def env_argv(argv: list[str], environ: dict[str, str]) -> tuple[list[str], list[str]]:
+    """llama-server's variables read in with bmoe-server's own parser, as a start reads them."""
+    return llama_flags.env_argv(argv, environ, build_parser())
 
 
 @pytest.fixture(scope="module")

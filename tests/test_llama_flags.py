@@ -31,7 +31,7 @@ from conftest import ServerProcess, start_server
 from bmoe.engine import params
 from bmoe.modelmaker import make_model
 from bmoe.server import llama_flags
-from bmoe.server.llama_compat import check_flags, config_argv, env_argv
+from bmoe.server.llama_compat import check_flags, config_argv
 from bmoe.server.main import build_parser
 
 # Every flag utils.py's ServerProcess.start() can pass, with a value its presets or tests
@@ -64,6 +64,11 @@ REFUSED = {"--lora": "LoRA",
            "--models-preset": "router"}
 # The model's own flags: they name a file (each started with a real one below).
 MODEL_FLAGS = ("--model", "--model-url", "--hf-repo", "--hf-file", "--mmproj-url")
+
+
+def env_argv(argv: list[str], environ: dict[str, str]) -> tuple[list[str], list[str]]:
+    """llama-server's variables read in with bmoe-server's own parser, as a start reads them."""
+    return llama_flags.env_argv(argv, environ, build_parser())
 
 
 def test_the_list_is_the_sdists() -> None:

@@ -27,6 +27,15 @@ from bmoe.service import NAME, args, cli, logtee, managers, stopping, units
 TRICKY = ["--scan-dir", "/srv/my models/100% \"best\"", "--allow-origin", "http://x:1/$HOME",
           "--model", "C:\\models\\a b\\m.gguf", "--temp", "0.7", "--no-think", "back\\slash\\"]
 
+def service_argv(argv: list[str], cwd: Path | None = None) -> args.ServiceArgs:
+    """A start's command line made a service's, with bmoe-server's own parser."""
+    return args.service_argv(argv, server_main, cwd)
+
+
+def service(argv: list[str]) -> int:
+    """`bmoe-server service ARGV`, as bmoe-server dispatches it."""
+    return cli.main(argv, server_main)
+
 
 def _env_rundir(tmp_path: Path) -> dict[str, str]:
     run = tmp_path / "xdg-run"
@@ -124,7 +133,7 @@ def test_install_args_are_absolute_and_complete(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     shell = tmp_path / "shell"
     shell.mkdir()
-    out = args.service_argv(["-m", "model.gguf", "--scan-dir", "more", "--scan-dir", "~/x",
+    out = service_argv(["-m", "model.gguf", "--scan-dir", "more", "--scan-dir", "~/x",
                              "-c", "8192", "--open", "--temp", "-0.0", "--no-think"], cwd=shell)
     ns = server_main.build_parser().parse_args(out.argv)
     assert ns.model == str(shell / "model.gguf")
@@ -145,7 +154,7 @@ def test_install_keeps_what_was_given(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)
     key = tmp_path / "k"
     key.write_text("secret\n")
-    out = args.service_argv(["--data-dir", "d", "--log-file", "logs/s.log", "--host", "0.0.0.0",
+    out = service_argv(["--data-dir", "d", "--log-file", "logs/s.log", "--host", "0.0.0.0",
                              "--api-key-file", "k", "--port", "9000"])
     ns = server_main.build_parser().parse_args(out.argv)
     assert ns.data_dir == tmp_path / "d" and ns.log_file == tmp_path / "logs" / "s.log"
@@ -154,16 +163,16 @@ def test_install_keeps_what_was_given(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_beyond_loopback_without_a_key_gets_one_kept_across_installs(tmp_path: Path) -> None:
-    first = args.service_argv(["--data-dir", str(tmp_path), "--host", "0.0.0.0"])
+    first = service_argv(["--data-dir", str(tmp_path), "--host", "0.0.0.0"])
     key_file = tmp_path / "api-key"
     assert first.new_key and key_file.read_text().strip() == first.new_key
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert server_main.build_parser().parse_args(first.argv).api_key_file == key_file
-    second = args.service_argv(["--data-dir", str(tmp_path), "--host", "0.0.0.0", "-c", "4096"])
+    second = service_argv(["--data-dir", str(tmp_path), "--host", "0.0.0.0", "-c", "4096"])
     assert second.new_key is None                                   # printed once only
     assert key_file.read_text().strip() == first.new_key
     assert any("Kept the key" in n for n in second.notes)
-    open_ = args.service_argv(["--data-dir", str(tmp_path / "o"), "--host", "0.0.0.0",
+    open_ = service_argv(["--data-dir", str(tmp_path / "o"), "--host", "0.0.0.0",
                                "--no-api-key"])
     assert open_.new_key is None and not (tmp_path / "o" / "api-key").exists()
 
@@ -198,7 +207,7 @@ def test_refused_at_install_with_the_start_reason(argv: list[str], tmp_path: Pat
     monkeypatch.chdir(tmp_path)
     full = ["--data-dir", str(tmp_path), *argv]
     at_start = _refusal(capsys, _start_checks, full)
-    at_install = _refusal(capsys, args.service_argv, full)
+    at_install = _refusal(capsys, service_argv, full)
     assert at_install == at_start and at_start
 
 
@@ -206,12 +215,12 @@ def test_empty_key_file_refused_at_install(tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "empty").write_text("\n")
     full = ["--data-dir", str(tmp_path), "--host", "0.0.0.0", "--api-key-file",
             str(tmp_path / "empty")]
-    assert _refusal(capsys, args.service_argv, full) == _refusal(capsys, _start_checks, full)
+    assert _refusal(capsys, service_argv, full) == _refusal(capsys, _start_checks, full)
     assert not (tmp_path / "api-key").exists()
 
 
 def test_parent_pid_refused_at_install(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    why = _refusal(capsys, args.service_argv, ["--data-dir", str(tmp_path), "--parent-pid", "1"])
+    why = _refusal(capsys, service_argv, ["--data-dir", str(tmp_path), "--parent-pid", "1"])
     assert "--parent-pid" in why and "service" in why
 
 
@@ -324,7 +333,7 @@ def test_systemd_install_status_stop_uninstall_command_lines(
     unit = home / ".config" / "systemd" / "user" / f"{NAME}.service"
     ctl = ["systemctl", "--user"]
 
-    assert cli.main(["install", "--data-dir", str(data), "-c", "4096", "--host", "0.0.0.0"]) == 0
+    assert service(["install", "--data-dir", str(data), "-c", "4096", "--host", "0.0.0.0"]) == 0
     out = capsys.readouterr().out
     key = (data / "api-key").read_text().strip()
     assert f"key:     {key}" in out                                 # printed once, here
@@ -345,7 +354,7 @@ def test_systemd_install_status_stop_uninstall_command_lines(
 
     (data / "bmoe-server.log").write_text("2026-01-01T00:00:00.000+00:00 bmoe: listening on "
                                           "http://127.0.0.1:8765/\n2026 bmoe: answer: 5 tokens\n")
-    assert cli.main(["status"]) == 0
+    assert service(["status"]) == 0
     out = capsys.readouterr().out
     assert "registered with systemd" in out and "running: yes (pid 4242)" in out
     assert "URL:     http://127.0.0.1:8765/" in out and "bmoe: answer: 5 tokens" in out
@@ -353,21 +362,21 @@ def test_systemd_install_status_stop_uninstall_command_lines(
                              [*ctl, "show", f"{NAME}.service",
                               "--property=ActiveState,SubState,MainPID"]]
 
-    assert cli.main(["stop"]) == 0
+    assert service(["stop"]) == 0
     assert tools.calls()[-1] == [*ctl, "stop", f"{NAME}.service"]
-    assert cli.main(["status"]) == 3
+    assert service(["status"]) == 3
     assert "running: no (inactive (dead))" in capsys.readouterr().out
     tools.calls()
-    assert cli.main(["start"]) == 0
+    assert service(["start"]) == 0
     assert tools.calls()[-1] == [*ctl, "start", f"{NAME}.service"]
 
     # a reinstall keeps the key and does not print it again
-    assert cli.main(["install", "--data-dir", str(data), "--host", "0.0.0.0"]) == 0
+    assert service(["install", "--data-dir", str(data), "--host", "0.0.0.0"]) == 0
     assert key not in capsys.readouterr().out and (data / "api-key").read_text().strip() == key
     tools.calls()
 
     (data / "settings.json").write_text("{}")
-    assert cli.main(["uninstall"]) == 0
+    assert service(["uninstall"]) == 0
     assert tools.calls() == [
         [*ctl, "show-environment"],
         [*ctl, "show", f"{NAME}.service", "--property=ActiveState,SubState,MainPID"],
@@ -377,7 +386,7 @@ def test_systemd_install_status_stop_uninstall_command_lines(
     assert not unit.exists()
     assert (data / "api-key").read_text().strip() == key and (data / "settings.json").exists()
     assert "stay in" in capsys.readouterr().out
-    assert cli.main(["status"]) == 4
+    assert service(["status"]) == 4
 
 
 def test_refused_install_registers_nothing(tmp_path: Path, home: Path,
@@ -385,7 +394,7 @@ def test_refused_install_registers_nothing(tmp_path: Path, home: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     tools = _tools(tmp_path, monkeypatch, ["systemctl", "loginctl"])
     with pytest.raises(SystemExit):
-        cli.main(["install", "--ctx-size", "0"])
+        service(["install", "--ctx-size", "0"])
     assert "--ctx-size" in capsys.readouterr().err
     assert tools.calls() == []
     assert not (home / ".config" / "systemd").exists()
@@ -397,21 +406,21 @@ def test_launchd_command_lines(tmp_path: Path, home: Path, monkeypatch: pytest.M
     data = home / "data"
     target = f"gui/{os.getuid()}/{NAME}"
     plist = home / "Library" / "LaunchAgents" / f"{NAME}.plist"
-    assert cli.main(["install", "--data-dir", str(data)]) == 0
+    assert service(["install", "--data-dir", str(data)]) == 0
     assert tools.calls() == [["launchctl", "bootout", target],
                              ["launchctl", "bootstrap", f"gui/{os.getuid()}", str(plist)],
                              ["launchctl", "enable", target]]
     loaded = plistlib.loads(plist.read_bytes())
     assert loaded["ProgramArguments"][3:] == ["--data-dir", str(data), "--autoload",
                                               "--log-file", str(data / "bmoe-server.log")]
-    assert cli.main(["status"]) == 0
+    assert service(["status"]) == 0
     assert "running: yes (pid 4343)" in capsys.readouterr().out
     assert tools.calls() == [["launchctl", "print", target]]
-    assert cli.main(["stop"]) == 0
+    assert service(["stop"]) == 0
     assert tools.calls()[-1] == ["launchctl", "kill", "SIGTERM", target]
-    assert cli.main(["start"]) == 0
+    assert service(["start"]) == 0
     assert tools.calls()[-1] == ["launchctl", "kickstart", target]
-    assert cli.main(["uninstall"]) == 0
+    assert service(["uninstall"]) == 0
     assert tools.calls()[-1] == ["launchctl", "bootout", target]
     assert not plist.exists()
 
@@ -421,16 +430,16 @@ def test_schtasks_command_lines(tmp_path: Path, home: Path, monkeypatch: pytest.
     tools = _tools(tmp_path, monkeypatch, ["schtasks"])
     data = home / "data"
     xml = data / f"{NAME}.xml"
-    assert cli.main(["install", "--data-dir", str(data), "--port", "9999"]) == 0
+    assert service(["install", "--data-dir", str(data), "--port", "9999"]) == 0
     assert tools.calls() == [["schtasks", "/Create", "/TN", NAME, "/XML", str(xml), "/F"],
                              ["schtasks", "/Run", "/TN", NAME]]
     assert units.task_command(xml.read_bytes().decode("utf-16"))[3:5] == ["--port", "9999"]
-    assert cli.main(["status"]) == 0
+    assert service(["status"]) == 0
     out = capsys.readouterr().out
     assert "running: yes" in out and "http://127.0.0.1:9999/" in out
-    assert cli.main(["stop"]) == 0
+    assert service(["stop"]) == 0
     assert tools.calls()[-1] == ["schtasks", "/End", "/TN", NAME]
-    assert cli.main(["uninstall"]) == 0
+    assert service(["uninstall"]) == 0
     assert tools.calls()[-1] == ["schtasks", "/Delete", "/TN", NAME, "/F"]
     assert not xml.exists()
 
@@ -439,7 +448,7 @@ def test_no_service_manager_is_a_sentence(tmp_path: Path, home: Path,
                                           monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     _tools(tmp_path, monkeypatch, [])
-    assert cli.main(["status"]) == 1
+    assert service(["status"]) == 1
     assert "No service manager answers here" in capsys.readouterr().err
 
 
@@ -456,12 +465,12 @@ def test_real_systemctl_user(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch.setattr(managers.Systemd, "linger", lambda self: [])
     data = tmp_path / "data"
     try:
-        assert cli.main(["install", "--data-dir", str(data), "--port", "0", "--threads", "1"]) == 0
-        assert cli.main(["status"]) in (0, 3)
+        assert service(["install", "--data-dir", str(data), "--port", "0", "--threads", "1"]) == 0
+        assert service(["status"]) in (0, 3)
         assert "registered with systemd" in capsys.readouterr().out
-        assert cli.main(["stop"]) == 0
+        assert service(["stop"]) == 0
     finally:
-        cli.main(["uninstall"])
+        service(["uninstall"])
     assert not unit.exists()
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from bmoe.service import NAME, cli, units
+from bmoe.service import NAME, units
 from tests._e2e_support import JSON_TYPE, Conn, port_of, request_bytes, wait_for
 from tests.conftest import ServerProcess, start_server
-from tests.test_service import _tools, home  # noqa: F401 - the fixture, by name
+from tests.test_service import _tools, home, service  # noqa: F401 - the fixture, by name
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
 
@@ -222,7 +222,7 @@ def test_the_registered_command_serves(tmp_path: Path, home: Path, tiny_moe: Pat
     _tools(tmp_path, monkeypatch, ["systemctl", "loginctl"])
     data = home / "data"
     monkeypatch.chdir(tiny_moe.parent)
-    assert cli.main(["install", "--data-dir", str(data), "--host", "0.0.0.0", "--port", "0",
+    assert service(["install", "--data-dir", str(data), "--host", "0.0.0.0", "--port", "0",
                      "--threads", "1", "-c", "2048", "-m", tiny_moe.name, "--open"]) == 0
     key = (data / "api-key").read_text().strip()
     assert f"key:     {key}" in capsys.readouterr().out

@@ -451,13 +451,11 @@ def _on_command_line(argv: list[str], spellings: set[str]) -> bool:
 
 
 def env_argv(argv: list[str], environ: dict[str, str],
-             parser: argparse.ArgumentParser | None = None) -> tuple[list[str], list[str]]:
+             parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
     """The command line with llama-server's variables read in, and one line for each
     variable saying what it was read as (a key's value is never shown). SystemExit for
-    a variable that names no key, or a switch's that is neither on nor off."""
-    if parser is None:
-        from .main import build_parser
-        parser = build_parser()
+    a variable that names no key, or a switch's that is neither on nor off. `parser` is
+    bmoe-server's whole parser (every family's flags: the composition root builds it)."""
     table = env_table()
     extra: list[str] = []
     lines: list[str] = []

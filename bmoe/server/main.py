@@ -168,7 +168,7 @@ def parent_from_env(value: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["service"]:
-        return service_cli.main(argv[1:])
+        return service_cli.main(argv[1:], sys.modules[__name__])  # its parser and checks
     if argv[:1] == ["rpc-worker"]:
         return rpc_worker_main(argv[1:])
     if argv[:1] == ["models"]:

@@ -21,7 +21,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..engine import params
 from ..http import access
@@ -45,24 +45,26 @@ class ServiceArgs:
     new_key: str | None = None       # a key made by this install, to print once
 
 
-def _server() -> Any:
-    # Imported here, not above: the server's parser and launch checks are its composition
-    # root's (every family's flags), and that root dispatches `bmoe-server service` here.
-    # A documented exception in .importlinter until the command line has its own module.
-    from ..server import main as server_main
-    return server_main
+class ServerLine(Protocol):
+    """What a service needs of bmoe-server's command line: its parser (every family's
+    flags) and its launch checks. The composition root that dispatches `bmoe-server
+    service` here (bmoe/server/main.py) passes itself, so this package never imports it."""
+
+    def build_parser(self) -> argparse.ArgumentParser: ...
+    def read_key(self, args: argparse.Namespace) -> str | None: ...
+    def check_binding(self, host: str, key: str | None, no_key: bool) -> None: ...
+    def default_data_dir(self) -> Path: ...
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def parse(argv: list[str], server: ServerLine) -> argparse.Namespace:
     """Parse as a start parses (argparse's usage and exit 2 on a mistake)."""
-    return _server().build_parser().parse_args(argv)
+    return server.build_parser().parse_args(argv)
 
 
-def check_launch(ns: argparse.Namespace) -> str | None:
+def check_launch(ns: argparse.Namespace, server: ServerLine) -> str | None:
     """The launch checks a start runs (SystemExit with the reason); returns the key."""
-    server_main = _server()
-    key = server_main.read_key(ns)
-    server_main.check_binding(ns.host, key, ns.no_api_key)
+    key = server.read_key(ns)
+    server.check_binding(ns.host, key, ns.no_api_key)
     return key
 
 
@@ -159,20 +161,20 @@ def url_for(host: str, port: int) -> str:
     return f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}/"
 
 
-def service_argv(argv: list[str], cwd: Path | None = None) -> ServiceArgs:
+def service_argv(argv: list[str], server: ServerLine, cwd: Path | None = None) -> ServiceArgs:
     """Check ``argv`` as a start would and make it a service's command line."""
     cwd = cwd or Path.cwd()
-    parser = _server().build_parser()
+    parser = server.build_parser()
     ns = parser.parse_args(argv)
     for dest, why in REFUSED.items():
         if getattr(ns, dest, None):
             raise SystemExit(f"bmoe-server: {why}")
-    _server().read_key(ns)               # the key as given, refused as a start refuses it
+    server.read_key(ns)                  # the key as given, refused as a start refuses it
     notes = [why for dest, why in DROPPED.items() if getattr(ns, dest, False)]
     for dest in _path_dests(parser):
         if hasattr(ns, dest):
             setattr(ns, dest, absolute(getattr(ns, dest), cwd))
-    data_dir = ns.data_dir or absolute(_server().default_data_dir(), cwd)
+    data_dir = ns.data_dir or absolute(server.default_data_dir(), cwd)
     ns.data_dir = data_dir
     ns.log_file = ns.log_file or data_dir / LOG_FILE
     ns.autoload = True
@@ -196,5 +198,5 @@ def service_argv(argv: list[str], cwd: Path | None = None) -> ServiceArgs:
         raise SystemExit("bmoe-server: the service's command line would not keep "
                          f"{', '.join('--' + k.replace('_', '-') for k in lost)}: a fault in "
                          "bmoe, not in what you typed; please report it.")
-    check_launch(again)
+    check_launch(again, server)
     return ServiceArgs(out, data_dir, ns.log_file, url_for(ns.host, ns.port), notes, new_key)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import NAME, args, units
+from .args import ServerLine
 from .managers import Install, Manager, ServiceError, find_manager
 
 USAGE = """usage: bmoe-server service install [server options and engine parameters...]
@@ -26,7 +27,9 @@ LOG_TAIL_LINES = 10            # the log lines status shows
 LOG_TAIL_BYTES = 64 * 1024     # how far from the end status reads for them
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], server: ServerLine) -> int:
+    """`bmoe-server service ...`; `server` is bmoe-server's command line (its parser and
+    launch checks), given by the composition root."""
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
@@ -39,14 +42,14 @@ def main(argv: list[str]) -> int:
               "stay registered).", file=sys.stderr)
         return 2
     try:
-        return VERBS[verb](rest)
+        return VERBS[verb](rest, server)
     except ServiceError as e:
         print(f"bmoe-server service {verb}: {e.message}", file=sys.stderr)
         return 1
 
 
-def install(argv: list[str]) -> int:
-    prepared = args.service_argv(argv)       # SystemExit with a start's reason
+def install(argv: list[str], server: ServerLine) -> int:
+    prepared = args.service_argv(argv, server)       # SystemExit with a start's reason
     manager = find_manager()
     cmd = units.command(prepared.argv)
     notes = manager.install(Install(cmd, units.workdir(), prepared.data_dir, prepared.log_file))
@@ -65,29 +68,29 @@ def install(argv: list[str]) -> int:
     return 0
 
 
-def start(_: list[str]) -> int:
+def start(_: list[str], server: ServerLine) -> int:
     manager = _registered()
     manager.start()
     print(f"Started {NAME}.")
     return 0
 
 
-def stop(_: list[str]) -> int:
+def stop(_: list[str], server: ServerLine) -> int:
     manager = _registered()
     manager.stop()
     print(f"Stopped {NAME}; it stays registered and starts again at the next login.")
     return 0
 
 
-def uninstall(_: list[str]) -> int:
+def uninstall(_: list[str], server: ServerLine) -> int:
     manager = find_manager()
     status = manager.status()
     if not status.registered:
         print(f"{NAME} is not registered; nothing to remove.")
         return 0
     manager.uninstall()
-    server = _server_args(status.command)
-    data_dir = server.data_dir if server is not None else None
+    options = _server_args(status.command, server)
+    data_dir = options.data_dir if options is not None else None
     if data_dir is not None:
         (Path(data_dir) / f"{NAME}.xml").unlink(missing_ok=True)
     print(f"Removed {NAME} from {manager.title}.")
@@ -96,7 +99,7 @@ def uninstall(_: list[str]) -> int:
     return 0
 
 
-def status(_: list[str]) -> int:
+def status(_: list[str], server: ServerLine) -> int:
     manager = find_manager()
     st = manager.status()
     if not st.registered:
@@ -106,9 +109,9 @@ def status(_: list[str]) -> int:
     print(f"{NAME}: registered with {manager.title}")
     running = f"yes (pid {st.pid})" if st.running and st.pid else "yes" if st.running else "no"
     print(f"  running: {running}{'' if st.running else f' ({st.detail})'}")
-    server = _server_args(st.command)
-    log_file = Path(server.log_file) if server is not None and server.log_file else None
-    url = _url(server, log_file if st.running else None)
+    options = _server_args(st.command, server)
+    log_file = Path(options.log_file) if options is not None and options.log_file else None
+    url = _url(options, log_file if st.running else None)
     if url:
         print(f"  URL:     {url}")
     if log_file is not None:
@@ -132,13 +135,13 @@ def _registered() -> Manager:
     return manager
 
 
-def _server_args(cmd: list[str]) -> argparse.Namespace | None:
+def _server_args(cmd: list[str], server: ServerLine) -> argparse.Namespace | None:
     """The server's options in a registered command line (None if they no longer parse)."""
     if len(cmd) < 3 or cmd[1:3] != ["-m", "bmoe.server"]:
         return None
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return args.parse(cmd[3:])
+            return args.parse(cmd[3:], server)
     except SystemExit:
         return None
 
