@@ -22,10 +22,10 @@ from ..http.access import is_loopback_binding
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
+from ..runtime.state import Runtime
 from ..server import wire
-from . import clients
+from . import clients, preview, skills, tasks
 from . import conversation as cv
-from . import preview, skills, tasks
 from .paths import OutsideWorkspace, ToolError, resolve
 from .providers import check_entry
 from .service import AgentService, busy, folder_of, not_found
@@ -109,7 +109,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "format (default: <data>/mcp.json)")
 
 
-def attach(state: Any, args: argparse.Namespace) -> None:
+def attach(state: Runtime, args: argparse.Namespace) -> None:
     state.agent = AgentService(state, state.options.data_dir,
                                chat_only=bool(getattr(args, "chat_only", False)),
                                preview_network=getattr(args, "preview_network", "auto"),
@@ -117,18 +117,18 @@ def attach(state: Any, args: argparse.Namespace) -> None:
                                mcp_config=getattr(args, "mcp_servers_config", None))
 
 
-async def run(state: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def run(state: Runtime, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     await state.agent.run(task_status=task_status)
 
 
-def register(table: RouteTable, state: Any) -> None:
+def register(table: RouteTable, state: Runtime) -> None:
     for method, pattern, fn, access in ROUTES:
         table.add(method, pattern, _bound(fn, state), access=access)
 
 
-def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
+def _bound(fn: Handler, state: Runtime) -> Callable[[Request], Awaitable[Response]]:
     async def handler(request: Request) -> Response:
-        svc = getattr(state, "agent", None)
+        svc = state.agent
         if svc is None:
             raise HTTPError(503, "unavailable", "The agent is not running.")
         return await fn(svc, request)

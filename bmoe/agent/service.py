@@ -25,6 +25,7 @@ from typing import Any
 import trio
 
 from ..http.errors import HTTPError
+from ..runtime.state import Runtime
 from . import conversation as cv
 from . import store
 from .loop import Run, failure_notice, load_test_script
@@ -47,7 +48,7 @@ def not_found(what: str = "conversation") -> HTTPError:
 
 
 class AgentService:
-    def __init__(self, state: Any, data_dir: Path, *, chat_only: bool = False,
+    def __init__(self, state: Runtime, data_dir: Path, *, chat_only: bool = False,
                  preview_network: str = "auto", skills_dir: Path | None = None,
                  mcp_config: Path | None = None) -> None:
         self.state = state
@@ -213,7 +214,7 @@ class AgentService:
         return item
 
     def _check_can_run(self, conv: cv.Conv) -> None:
-        if self.stopping or getattr(self.state, "stopping", False):
+        if self.stopping or self.state.stopping:
             raise HTTPError(503, "stopping", "The server is stopping; send the message again "
                             "once it is back.")
         if self.running(conv["id"]):

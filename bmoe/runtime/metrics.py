@@ -26,12 +26,15 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from .events import EventBus
+from .turns import TurnLine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -86,8 +89,21 @@ class Metrics:
         self.bucket_prompt_seconds = self.bucket_predicted_seconds = 0.0
 
 
+class Scraped(Protocol):
+    """What a scrape reads of the runtime (`Runtime` is one; this module sits below it)."""
+
+    session: Any
+    asleep: Any
+    metrics: Metrics
+    bus: EventBus
+    turns: TurnLine
+
+    @property
+    def generating(self) -> bool: ...
+
+
 class _Collector(Collector):
-    def __init__(self, state: Any, process: bool) -> None:
+    def __init__(self, state: Scraped, process: bool) -> None:
         self.state = state
         self.process = process
 
@@ -114,7 +130,7 @@ class _Collector(Collector):
         yield _gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
                      m.predicted_rate())
         # asleep (--sleep-idle-seconds), the model's figures as they were when it slept
-        session = state.session if state.session is not None else getattr(state, "asleep", None)
+        session = state.session if state.session is not None else state.asleep
         kv = len(session.kv_tokens) if session is not None else 0
         n_ctx = session.n_ctx if session is not None else 0
         yield _gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
@@ -160,8 +176,8 @@ def _open_fds() -> int:
         return -1
 
 
-def _process_metrics(state: Any) -> Iterator[Metric]:
-    bus = getattr(state, "bus", None)
+def _process_metrics(state: Scraped) -> Iterator[Metric]:
+    bus = state.bus
     yield _gauge("process_trio_tasks", "Trio tasks alive.", trio_tasks(), "bmoe:")
     yield _gauge("process_event_subscribers", "Event-bus subscribers (event streams, "
                  "WebSockets).", bus.subscribers if bus is not None else -1, "bmoe:")
@@ -207,7 +223,7 @@ def _expert_metrics(session: Any) -> Iterator[Metric]:
                  1 if streamer is not None else 0, b)
 
 
-def exposition(state: Any, process: bool = False) -> bytes:
+def exposition(state: Scraped, process: bool = False) -> bytes:
     """The text exposition of every metric, as of now (`process`: with the
     `bmoe:process_*` gauges); the throughput window starts again."""
     registry = CollectorRegistry(auto_describe=False)

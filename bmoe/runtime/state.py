@@ -25,25 +25,36 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import trio
 
 from .. import __version__
+from ..backends.service import BackendsService
 from ..engine import params
 from ..engine.errors import EngineError
 from ..engine.session import Session
 from ..engine.telemetry import mem_available_mib
 from ..engine.thread import EngineThread
 from ..http.errors import HTTPError
+from ..models.service import ModelsService
 from .bridge import let_go, wait_future
 from .events import EventBus
 from .metrics import Metrics
+from .options import LlamaOptions
 from .turns import TurnLine
 
 CTX_FOR_CLIENTS = 16384  # tokens a coding agent needs: its first request plus an answer
 
 T = TypeVar("T")
+
+
+class Planner(Protocol):
+    """The auto-plan the composition root attaches (bmoe/server/plan_routes.py): a load
+    measures and plans first when it is on."""
+
+    async def before_load(self, path: str, values: dict[str, Any]) -> dict[str, Any]: ...
+    def held_now(self) -> int: ...
 
 
 class Lifecycle(StrEnum):
@@ -134,10 +145,17 @@ class Runtime:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.streamer_factory = streamer_factory
-        self.planner: Any = None                 # bmoe/server/plan_routes.py's PlanService
         self.metrics = Metrics()                 # GET /metrics (bmoe/runtime/metrics.py)
+        self.llama_options = LlamaOptions()      # llama-server's flags (server/llama_options.py)
         self.model_aliases: tuple[str, ...] = ()  # --alias (bmoe/server/llama_compat.py)
         self.model_tags: tuple[str, ...] = ()     # --tags
+        # The services the composition root attaches at start (each package's `attach`),
+        # None until then and in a test that builds only part of a server:
+        self.planner: Planner | None = None      # bmoe/server/plan_routes.py's PlanService
+        self.models: ModelsService | None = None          # downloads, the catalog, listing
+        self.backends: BackendsService | None = None      # backend packs and updates
+        self.agent: Any = None                   # bmoe/agent/service.py's (a layer above)
+        self.stopping = False                    # the server is stopping (service/stopping.py)
         self.asleep: Asleep | None = None        # --sleep-idle-seconds (sleep.py)
         self.last_active = time.monotonic()      # a model route or a turn last ended
         self._active = 0                         # model routes under way

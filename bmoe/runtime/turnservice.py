@@ -67,8 +67,7 @@ class Turn:
         self.session = await self.state.require_session()
         await self.place.wait(on_wait)
         self.session = session = await self.state.require_session()
-        options = getattr(self.state, "llama_options", None)
-        if options is not None and not options.jinja and self.req.grammar_reasoning:
+        if not self.state.llama_options.jinja and self.req.grammar_reasoning:
             self.req = dataclasses.replace(self.req, grammar_reasoning=False)
         try:
             self.prepared = await wait_future(self.state.engine.submit(prepare, session, self.req))
@@ -153,9 +152,8 @@ async def drive(turn: Turn, emit: Emit, shape: Shape | None,
 
     prepared = turn.prepared or await turn.start(on_wait=waiting)
     await emit(Started(turn.model, len(prepared.tokens)))
-    options = getattr(turn.state, "llama_options", None)       # --reasoning-format
     out = TurnOutput(prepared, turn.req, shape, new_call_id,
-                     getattr(options, "reasoning_format", "auto"))
+                     turn.state.llama_options.reasoning_format)     # --reasoning-format
 
     async def on_batch(batch: Batch) -> None:
         tokens: list[TokenEvent] = []

@@ -26,6 +26,7 @@ from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
 from ..models.curl import CurlConfig
+from ..runtime.state import Runtime
 from . import wire
 
 Handler = Callable[[BackendsService, Request], Awaitable[Response]]
@@ -35,15 +36,15 @@ class InstallBody(wire.Wire):
     force: StrictBool = False
 
 
-def register(table: RouteTable, state: Any) -> None:
+def register(table: RouteTable, state: Runtime) -> None:
     for method, pattern, fn in ROUTES:
         table.add(method, pattern, _bound(fn, state), access=Access.LOCAL_ONLY)
 
 
-def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
+def _bound(fn: Handler, state: Runtime) -> Callable[[Request], Awaitable[Response]]:
     @wraps(fn)
     async def handler(request: Request) -> Response:
-        service = getattr(state, "backends", None)
+        service = state.backends
         if service is None:
             raise HTTPError(503, "unavailable", "The backends service is not running.")
         try:
@@ -120,7 +121,7 @@ def feed_key(args: Any) -> Any:
                          f"{e}.") from None
 
 
-def attach(state: Any, args: Any) -> BackendsService:
+def attach(state: Runtime, args: Any) -> BackendsService:
     """Load the installed packs into ggml, then create ``state.backends`` (``check_flags``
     ran first)."""
     key = feed_key(args)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import trio
 
 from ..engine.images import ImageRefused, ImageSet, data_url_head
 from ..http.errors import invalid_request
+from ..runtime.state import Runtime
 
 
 def image_part(images: ImageSet | None, url: object, where: str, message: str) -> str:
@@ -25,7 +24,7 @@ def image_part(images: ImageSet | None, url: object, where: str, message: str) -
         raise invalid_request(str(e)) from None
 
 
-def image_tokens(state: Any, images: ImageSet) -> int:
+def image_tokens(state: Runtime, images: ImageSet) -> int:
     """count_tokens' figure for the images: what the loaded projector takes for one
     (exact for a fixed-size projector, its cap for one that follows the image's size),
     less the marker text the estimate counted in their place."""

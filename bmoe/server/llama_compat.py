@@ -162,7 +162,7 @@ def props_body(state: Runtime, session: Session, sleeping: bool = False) -> dict
         "bos_token": session.bos_token,
         "eos_token": session.eos_token, "modalities": {"vision": session.vision is not None, "audio": False},
         "endpoint_slots": options.slots, "endpoint_props": False,
-        "endpoint_metrics": bool(getattr(state, "llama_metrics", False)), "ui": options.ui,
+        "endpoint_metrics": options.metrics, "ui": options.ui,
         "build_info": f"bmoe {__version__}", "n_ctx": session.n_ctx,
         "is_sleeping": sleeping}
 
@@ -422,7 +422,7 @@ async def shutdown(state: Runtime, request: Request) -> Response:
 # -- metrics -----------------------------------------------------------------------
 
 async def get_metrics(state: Runtime, request: Request) -> Response:
-    if not getattr(state, "llama_metrics", False):
+    if not state.llama_options.metrics:
         raise not_supported("This server does not support metrics endpoint. Start it with "
                             "`--metrics`.")
     process = request.query.get("process") not in (None, "", "0", "false")

@@ -4,28 +4,11 @@ completion handlers; set once at start (`attach`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.options import LlamaOptions
+from ..runtime.state import Runtime
 from . import llama_flags
-
-
-@dataclass(frozen=True)
-class LlamaOptions:
-    """What llama-server's flags set for these routes: the model's names and tags, and
-    which of llama-server's optional routes are served."""
-
-    aliases: tuple[str, ...] = ()
-    tags: tuple[str, ...] = ()
-    slots: bool = True
-    metrics: bool = False
-    ui: bool = True
-    reasoning_format: str = "auto"
-    parallel: int = 1                  # as asked; one turn runs at a time whatever it is
-    verbose: bool = False              # --verbose: every chat answer carries __verbose
-    jinja: bool = True                 # --no-jinja: llama-server's legacy chat (no reasoning
-                                       # before a schema's or a forced call's output)
-    slot_save_path: str = ""           # --slot-save-path: POST /slots/{id} save / restore
 
 
 def options_from(args: Any) -> LlamaOptions:
@@ -47,19 +30,18 @@ def options_from(args: Any) -> LlamaOptions:
         slot_save_path=str(given(args, F["--slot-save-path"]) or ""))
 
 
-def attach(state: Any, args: Any) -> None:
+def attach(state: Runtime, args: Any) -> None:
     options = options_from(args)
     state.llama_options = options
-    state.llama_metrics = options.metrics
     state.model_aliases = options.aliases
     state.model_tags = options.tags
 
 
-def llama_options(state: Any) -> LlamaOptions:
-    return getattr(state, "llama_options", None) or LlamaOptions()
+def llama_options(state: Runtime) -> LlamaOptions:
+    return state.llama_options
 
 
-def slot_count(state: Any) -> int:
+def slot_count(state: Runtime) -> int:
     """llama-server's slots (`--parallel N`): each has the context the engine holds (the
     -c split N ways, unless --kv-unified); one turn runs at a time on them."""
     return max(1, llama_options(state).parallel)

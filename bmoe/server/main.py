@@ -212,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def all_routes(state: Any) -> RouteTable:
+def all_routes(state: Runtime) -> RouteTable:
     """Every route of bmoe-server: the server's own and the agent's (a package above it,
     so wired in here, the composition root)."""
     return build_routes(state, extra=(agent_api.register,))
 
 
-def route_table(state: Any, args: argparse.Namespace) -> RouteTable:
+def route_table(state: Runtime, args: argparse.Namespace) -> RouteTable:
     """The routes ``serve`` answers for this command line. With ``--autoload`` (``state``
     is then an ``AutoloadState``) a request to a route that runs the model loads it first."""
     routes = all_routes(state)

@@ -19,20 +19,21 @@ from ..http.routes import Access, RouteTable
 from ..http.types import Request, Response
 from ..models.errors import ModelsError
 from ..models.service import ModelsService
+from ..runtime.state import Runtime
 
 Handler = Callable[[ModelsService, Request], Awaitable[Response]]
 
 
-def register(table: RouteTable, state: Any) -> None:
+def register(table: RouteTable, state: Runtime) -> None:
     """Add the models routes; the service is ``state.models`` (set at start)."""
     for method, pattern, fn, access in ROUTES:
         table.add(method, pattern, _bound(fn, state), access=access)
 
 
-def _bound(fn: Handler, state: Any) -> Callable[[Request], Awaitable[Response]]:
+def _bound(fn: Handler, state: Runtime) -> Callable[[Request], Awaitable[Response]]:
     @wraps(fn)
     async def handler(request: Request) -> Response:
-        service = getattr(state, "models", None)
+        service = state.models
         if service is None:
             raise HTTPError(503, "unavailable", "The models service is not running.")
         try:
@@ -140,13 +141,13 @@ def check_flags(args: Any) -> None:
         raise SystemExit("bmoe-server: --download-stall-s must be at least 1.")
 
 
-def attach(state: Any, args: Any) -> ModelsService:
+def attach(state: Runtime, args: Any) -> ModelsService:
     """Create the models service as ``state.models``; run it with ``nursery.start``."""
     check_flags(args)
 
     def held_paths() -> list[str]:
         held = []
-        session = getattr(state, "session", None)
+        session = state.session
         if session is not None:
             held.append(str(session.path))
         if state.state.loading:                 # a planning load too
@@ -154,7 +155,7 @@ def attach(state: Any, args: Any) -> ModelsService:
         return held
 
     def held_bytes() -> int:
-        planner = getattr(state, "planner", None)
+        planner = state.planner
         return int(planner.held_now()) if planner is not None else 0
 
     service = ModelsService.create(
@@ -166,6 +167,8 @@ def attach(state: Any, args: Any) -> ModelsService:
     return service
 
 
-async def run(state: Any, *, task_status: Any) -> None:
+async def run(state: Runtime, *, task_status: Any) -> None:
     """Run ``state.models`` (its download jobs) in the server's nursery."""
+    if state.models is None:
+        raise RuntimeError("models_routes.attach() was not called")
     await state.models.run(task_status=task_status)

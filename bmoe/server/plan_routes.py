@@ -60,20 +60,20 @@ def attach(state: Runtime, args: argparse.Namespace | None = None) -> None:
         state.config.auto_plan_launch = bool(args.auto_plan)
 
 
-def register(table: RouteTable, state: Any) -> None:
+def register(table: RouteTable, state: Runtime) -> None:
     table.add("GET", "/api/plan", partial(get_plan, state))
     table.add("POST", "/api/plan/apply", partial(apply_plan, state))
 
 
-async def run(state: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    planner: PlanService | None = getattr(state, "planner", None)
+async def run(state: Runtime, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    planner = state.planner
     task_status.started()
-    if planner is not None:
+    if isinstance(planner, PlanService):
         await planner.follow()
 
 
 class PlanService:
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Runtime) -> None:
         self.state = state
         self.routing_dir = Path(state.options.data_dir) / "routing"
         self._lock = trio.Lock()
@@ -112,9 +112,10 @@ class PlanService:
         if self._lock.locked():
             raise HTTPError(409, "busy", "A measurement is already running; wait for it.")
         async with self._lock:
-            loaded = state.session is not None and state.state == Lifecycle.READY
+            session = state.session
+            loaded = session is not None and state.state == Lifecycle.READY
             held = self.held_now()
-            name = Path(str(state.session.path)).name if loaded else ""
+            name = session.path.name if session is not None and loaded else ""
             config = state.config
             token = trio.lowlevel.current_trio_token()
 
@@ -252,9 +253,9 @@ class PlanService:
 
 # -- handlers ---------------------------------------------------------------------------
 
-def _service(state: Any) -> PlanService:
-    planner = getattr(state, "planner", None)
-    if planner is None:
+def _service(state: Runtime) -> PlanService:
+    planner = state.planner
+    if not isinstance(planner, PlanService):
         raise HTTPError(503, "unavailable", "The planner is not running.")
     return planner
 
@@ -265,7 +266,7 @@ def _with_measured(planner: PlanService, body: dict[str, Any]) -> dict[str, Any]
     return body
 
 
-async def get_plan(state: Any, request: Request) -> Response:
+async def get_plan(state: Runtime, request: Request) -> Response:
     planner = _service(state)
     q = request.query
     if q.get("cached") in ("1", "true"):
@@ -297,7 +298,7 @@ async def get_plan(state: Any, request: Request) -> Response:
     return Response.json(_with_measured(planner, body))
 
 
-async def apply_plan(state: Any, request: Request) -> Response:
+async def apply_plan(state: Runtime, request: Request) -> Response:
     planner = _service(state)
     request.json_object()            # any object; its fields are not read
     plan = planner.current()

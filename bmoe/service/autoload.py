@@ -58,13 +58,13 @@ class AutoloadState(Runtime):
         return await super().require_session()
 
 
-def with_autoload(table: RouteTable, state: AutoloadState) -> RouteTable:
+def with_autoload(table: RouteTable, state: Runtime) -> RouteTable:
     """The same routes, each one registered ``model=True`` waking the autoload first; every
     other attribute of every route (its access class above all) kept as registered."""
     return table.wrapped(lambda r: _waking(r.handler, state) if r.model else r.handler)
 
 
-def _waking(handler: Handler, state: AutoloadState) -> Handler:
+def _waking(handler: Handler, state: Runtime) -> Handler:
     async def wake_then(request: Request) -> Any:
         state.wake()
         return await handler(request)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any
 
 import trio
+
+from ..runtime.state import Runtime
 
 STOP_GRACE_S = 10.0     # the longest the running answers get to end before connections close
 POLL_S = 0.05           # how often the drain looks at the turn line
@@ -29,7 +30,7 @@ POLL_S = 0.05           # how often the drain looks at the turn line
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-async def watch_signals(state: Any, scope: trio.CancelScope,
+async def watch_signals(state: Runtime, scope: trio.CancelScope,
                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Run beside the server: the first signal stops it cleanly, the second at once."""
     with trio.open_signal_receiver(*SIGNALS) as signals:
@@ -47,13 +48,13 @@ async def watch_signals(state: Any, scope: trio.CancelScope,
                 nursery.start_soon(_stop, state, scope)
 
 
-async def _stop(state: Any, scope: trio.CancelScope) -> None:
+async def _stop(state: Runtime, scope: trio.CancelScope) -> None:
     state.stopping = True          # new agent messages get 503 stopping from here on
     await _drain(state)
     scope.cancel()
 
 
-async def _drain(state: Any) -> None:
+async def _drain(state: Runtime) -> None:
     """Cancel the running answer and every one that starts, until the line is empty."""
     with trio.move_on_after(STOP_GRACE_S):
         while state.turns.busy or state.turns.waiting:

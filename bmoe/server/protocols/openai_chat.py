@@ -270,6 +270,12 @@ def convert_tools(raw: list[ChatTool] | None) -> list[dict[str, Any]] | None:
 
 def decode(body: dict[str, Any], config: Any) -> TurnRequest:
     """The turn a chat body asks for (400 invalid_request naming the field otherwise)."""
+    return read_chat(body, config)[0]
+
+
+def read_chat(body: dict[str, Any], config: Any) -> tuple[TurnRequest, ChatBody]:
+    """The turn a chat body asks for, and the body as checked (what the answer's shape
+    reads: `stream`, `n`, `logprobs`...): it is parsed once."""
     values = config.values
     parsed = wire.parse(ChatBody, body)
     messages, images = convert_messages(parsed.messages)
@@ -294,7 +300,7 @@ def decode(body: dict[str, Any], config: Any) -> TurnRequest:
                       progress=bool(parsed.return_progress),
                       continue_final=continuation(parsed, messages),
                       generation_prompt=parsed.add_generation_prompt is not False)
-    return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)")
+    return chatreq.checked(req, "(`tool_choice` \"required\" or a named function)"), parsed
 
 
 
@@ -479,20 +485,20 @@ class ChatEncoder:
 
 async def handle(state: Runtime, request: Request) -> Response | StreamResponse:
     body = request.json_object()
-    req = decode(body, state.config)
+    req, parsed = read_chat(body, state.config)
     await read_images(req.images)
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # checked
+    include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     n = choices.read_n(body)
-    top = read_logprobs(body)
-    flags = {"show_progress": bool(body.get("return_progress")),      # (types checked)
-             "with_timings": bool(body.get("timings_per_token")),
+    top = read_logprobs(parsed)
+    flags = {"show_progress": bool(parsed.return_progress),
+             "with_timings": bool(parsed.timings_per_token),
              "verbose": body.get("verbose") is True or llama_options(state).verbose}
+    streaming = bool(parsed.stream)
     if n > 1 or top is not None:
-        return await serve_choices(state, req, n, include_usage, bool(body.get("stream")),
-                                   top, flags)
+        return await serve_choices(state, req, n, include_usage, streaming, top, flags)
     encoder = ChatEncoder(include_usage)
     vars(encoder).update(flags)
-    return await serving.serve(state, [req], [encoder], streaming=bool(body.get("stream")))
+    return await serving.serve(state, [req], [encoder], streaming=streaming)
 
 
 def session_sampling(state: Runtime) -> Sampling:
@@ -504,11 +510,11 @@ def session_sampling(state: Runtime) -> Sampling:
                     min_p=0.0, seed=int(values.get("seed", SEED_RANDOM)))
 
 
-def read_logprobs(body: dict[str, Any]) -> int | None:
+def read_logprobs(parsed: ChatBody) -> int | None:
     """`logprobs` / `top_logprobs` (OpenAI's): the top ids each token lists, or None when
-    no log-probabilities are asked (`decode` checked the types and the range)."""
-    top = body.get("top_logprobs")
-    if not body.get("logprobs"):
+    no log-probabilities are asked (the wire checked the types and the range)."""
+    top = parsed.top_logprobs
+    if not parsed.logprobs:
         if top:
             raise invalid_request("`top_logprobs` needs `logprobs: true`.")
         return None
