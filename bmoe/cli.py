@@ -224,6 +224,35 @@ def open_session(values: dict[str, Any]) -> Any:
     return Session(values["model"], values, streamer_factory)
 
 
+def one_turn(session: Any, messages: list[dict[str, Any]], sink: "TurnSink", *,
+             max_tokens: int, think: bool, constraint: dict[str, Any] | None = None,
+             cancel: threading.Event | None = None, budget_must_fit: bool = False,
+             prepared: Callable[[], None] | None = None) -> Any:
+    """bmoe-cli's one way to run a turn (a prompt, `--auto`'s prompt, a session request):
+    the messages as a chat on a model with a chat template; a base model (none)
+    continues their text, as llama-cli does. With `budget_must_fit` the prompt plus
+    `max_tokens` must fit the context (a session's request: it would stop short);
+    `prepared()` is called once the prompt is ready, before the first token.
+
+    The CLI runs the engine on this thread, one turn at a time: it has no HTTP side, no
+    turn line and no event bus, so it calls the engine's `prepare` / `run_turn` (the
+    same path the server's runtime drives) rather than the runtime."""
+    from .engine.errors import EngineError
+    from .engine.turn import TurnRequest, prepare, run_turn
+    raw: list[str | int] | None = (
+        None if session.template is not None else ["".join(m["content"] for m in messages)])
+    req = TurnRequest(messages=messages if raw is None else [], raw_prompt=raw,
+                      max_tokens=max_tokens, think=think, **(constraint or {}))
+    ready = prepare(session, req)
+    if budget_must_fit and max_tokens and len(ready.tokens) + max_tokens > session.n_ctx:
+        raise EngineError("context_full", f"the prompt ({len(ready.tokens)} tokens) plus "
+                          f"{{n-predict}} ({max_tokens}) exceeds {{ctx-size}} "
+                          f"({session.n_ctx})")
+    if prepared is not None:
+        prepared()
+    return run_turn(session, ready, req, cancel or threading.Event(), sink.emit)
+
+
 @dataclass
 class TurnSink:
     """What one turn's tokens go to: the console (inline text or progress lines) and a CSV."""
@@ -246,7 +275,6 @@ class TurnSink:
 def generate_once(values: dict[str, Any], prompt: str, out: Console, *, progress: bool = False,
                   csv_path: str | None = None, constraint: dict[str, Any] | None = None) -> int:
     from .engine.errors import EngineError
-    from .engine.turn import TurnRequest, prepare, run_turn
 
     try:
         session = open_session(values)
@@ -258,15 +286,10 @@ def generate_once(values: dict[str, Any], prompt: str, out: Console, *, progress
         if csv_path:
             csv_file = open(csv_path, "w", encoding="utf-8", newline="")
             csv_file.write(CSV_HEADER + "\n")
-        # A model without a chat template (a base model) continues the prompt as text,
-        # as llama-cli does; one with a template answers it as a user's message.
-        chat = session.template is not None
-        req = TurnRequest(messages=[{"role": "user", "content": prompt}] if chat else [],
-                          raw_prompt=None if chat else [prompt],
-                          max_tokens=int(values.get("n-predict") or 0),
-                          think=bool(values.get("think", True)), **(constraint or {}))
         sink = TurnSink(out, progress, csv_file)
-        result = run_turn(session, prepare(session, req), req, threading.Event(), sink.emit)
+        result = one_turn(session, [{"role": "user", "content": prompt}], sink,
+                          max_tokens=int(values.get("n-predict") or 0),
+                          think=bool(values.get("think", True)), constraint=constraint)
         streamer = session.streamer.summary() if session.streamer is not None else None
         perf = perf_lines(result.summary, streamer)
         if progress:
@@ -293,7 +316,6 @@ def run_planned(values: dict[str, Any], prompt: str) -> tuple[dict[str, Any], li
     """`--auto`'s prompt with the planned values: the answer on stdout, the perf lines on
     stderr; (the summary, the routing the streamer recorded), or None on an engine error."""
     from .engine.errors import EngineError
-    from .engine.turn import TurnRequest, prepare, run_turn
 
     out = Console(sys.stdout)
     try:
@@ -305,11 +327,9 @@ def run_planned(values: dict[str, Any], prompt: str) -> tuple[dict[str, Any], li
         streamer = session.streamer
         if streamer is not None:
             streamer.record_routing = True
-        req = TurnRequest(messages=[{"role": "user", "content": prompt}],
+        result = one_turn(session, [{"role": "user", "content": prompt}], TurnSink(out, False),
                           max_tokens=int(values.get("n-predict") or 0),
                           think=bool(values.get("think", True)))
-        result = run_turn(session, prepare(session, req), req, threading.Event(),
-                          TurnSink(out, False).emit)
         out.write("\n")
         summary = result.summary
         print(perf_lines(summary, streamer.summary() if streamer else None), end="",
@@ -484,27 +504,16 @@ class SessionMode:
         return 0
 
     def generate(self, req: dict[str, Any]) -> None:
-        from .engine.errors import EngineError
-        from .engine.turn import TurnRequest, prepare, run_turn
         s = self.session
         history = [] if req["clear_kv"] else self.history
         if req["clear_kv"]:
             s.clear_kv()
         messages = [*history, {"role": "user", "content": req["prompt"]}]
-        # without a chat template the session is one text the model continues
-        raw: list[str | int] | None = (
-            None if s.template is not None else ["".join(m["content"] for m in messages)])
-        turn = TurnRequest(messages=messages if raw is None else [], raw_prompt=raw,
-                           max_tokens=req["n_predict"], think=req["think"], **self.constraint)
-        prepared = prepare(s, turn)
-        if req["n_predict"] and len(prepared.tokens) + req["n_predict"] > s.n_ctx:
-            raise EngineError("context_full", f"the prompt ({len(prepared.tokens)} tokens) plus "
-                              f"{{n-predict}} ({req['n_predict']}) exceeds {{ctx-size}} "
-                              f"({s.n_ctx})")
         cancel = self.inflight.begin()
-        self.out.tagged("BMOE_BEGIN", {"id": req["id"]})
-        sink = TurnSink(self.out, progress=True)
-        result = run_turn(s, prepared, turn, cancel, sink.emit)
+        result = one_turn(s, messages, TurnSink(self.out, progress=True),
+                          max_tokens=req["n_predict"], think=req["think"],
+                          constraint=self.constraint, cancel=cancel, budget_must_fit=True,
+                          prepared=lambda: self.out.tagged("BMOE_BEGIN", {"id": req["id"]}))
         text = result.generation.text
         self.history = [*messages, {"role": "assistant", "content": text}]
         recall = s.streamer.summary().get("spec_recall_pct", -1) if s.streamer else -1
