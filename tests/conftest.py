@@ -126,3 +126,40 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> Iterator
     assert srv.info()["state"] == "ready", srv.info()
     yield srv
     srv.stop()
+
+
+# -- a run that would hang at its end says why, and ends ---------------------------------
+# Python waits at exit for every thread that is not a daemon (the engine's thread is not:
+# it must finish what llama.cpp is doing). A test that leaves one running would make the
+# whole run hang after its last test with no summary. Here such threads get 30 s to end;
+# any still alive are named with their stacks and the run ends failed.
+
+LEFT_THREADS_GRACE_S = 30.0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import threading
+    import traceback
+
+    deadline = time.monotonic() + LEFT_THREADS_GRACE_S
+    left = []
+    for t in threading.enumerate():
+        if t is threading.main_thread() or t.daemon:
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            left.append(t)
+    if not left:
+        return
+    frames = sys._current_frames()
+    out = [f"\n{len(left)} thread(s) that are not daemons were still running after the last "
+           f"test (they would keep this run from ending): a test left them:"]
+    for t in left:
+        out.append(f"--- {t.name} (ident {t.ident})")
+        frame = frames.get(t.ident or -1)
+        if frame is not None:
+            out.extend(line.rstrip() for line in traceback.format_stack(frame))
+    print("\n".join(out), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(3)

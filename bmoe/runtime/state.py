@@ -18,6 +18,7 @@ loads it again with the values it had.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from .events import EventBus
 from .metrics import Metrics
 from .options import LlamaOptions
 from .turns import TurnLine
+
+log = logging.getLogger(__name__)
 
 CTX_FOR_CLIENTS = 16384  # tokens a coding agent needs: its first request plus an answer
 
@@ -345,9 +348,11 @@ class Runtime:
         return [host, *(helpers.describe() if helpers is not None else [])]
 
     def _set_state(self, state: Lifecycle, error: str = "") -> None:
-        """Move the lifecycle (a move `MOVES` does not hold is a bug of the caller's)."""
+        """Move the lifecycle. A move `MOVES` does not hold is a bug of the caller's: it is
+        logged as one (the tests fail on it) and made, never raised into a load."""
         if state not in MOVES[self.state]:
-            raise RuntimeError(f"the server cannot go from {self.state} to {state}")
+            log.error("the server went from %s to %s, a move its lifecycle does not make",
+                      self.state, state)
         self.state = state
         self.error = error
         self.bus.publish("state", self.info())
