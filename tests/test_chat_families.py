@@ -15,7 +15,7 @@ import pytest
 from _llama_templates import read_template
 
 from bmoe.engine import families
-from bmoe.engine import grammar as gbnf
+from bmoe.engine.families.grammar_calls import tool_call_grammar
 from bmoe.engine.chatparse import ChatDeltaStream, detect_framing
 from bmoe.engine.families import output_parser
 from bmoe.engine.grammar_guard import check_grammar
@@ -594,7 +594,7 @@ def test_forced_call_grammar_is_valid_gbnf(framing: str, reasoning: bool) -> Non
     tools = TOOLS + [{"type": "function", "function": {"name": "write", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "integer"}},
         "required": ["path"]}}}]
-    text = gbnf.tool_call_grammar(framing, tools, allow_reasoning=reasoning, parallel=True)
+    text = tool_call_grammar(framing, tools, allow_reasoning=reasoning, parallel=True)
     check_grammar(text)
     assert "special_function" in text and "write" in text
 
@@ -639,7 +639,7 @@ def test_forced_call_grammar_takes_the_familys_own_call(framing: str) -> None:
     """The grammar accepts the family's call (and rejects a made-up tool), and what it
     accepts parses back to the call."""
     from test_grammar import Gbnf
-    grammar = Gbnf(gbnf.tool_call_grammar(framing, WRITE_TOOLS, allow_reasoning=False))
+    grammar = Gbnf(tool_call_grammar(framing, WRITE_TOOLS, allow_reasoning=False))
     first, second = FORCED[framing]
     assert grammar.matches(first) and grammar.matches(second)
     assert not grammar.matches(first.replace("write", "erase"))
@@ -648,7 +648,7 @@ def test_forced_call_grammar_takes_the_familys_own_call(framing: str) -> None:
     assert [(c.name, json.loads(c.arguments_text)) for c in view.tool_calls] == \
         [("write", {"path": "a.txt", "n": 3})]
     opener, closer = families.reasoning_markers(framing)
-    thinking = Gbnf(gbnf.tool_call_grammar(framing, WRITE_TOOLS, allow_reasoning=True,
+    thinking = Gbnf(tool_call_grammar(framing, WRITE_TOOLS, allow_reasoning=True,
                                            parallel=True))
     assert thinking.matches(f"{opener}\nhmm{closer}{first}")
     if framing not in ("lfm2", "apertus", "command_r7b"):   # those list calls in one block

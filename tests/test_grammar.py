@@ -24,8 +24,8 @@ from bmoe.engine.grammar import (
     json_schema_grammar,
     normalize_schema,
     text_without,
-    tool_call_grammar,
 )
+from bmoe.engine.families.grammar_calls import tool_call_grammar
 
 # ---------------------------------------------------------------------------
 # A small GBNF reader and matcher (the subset llama.cpp's parser reads that the

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from _grammar_child import GrammarChild
 from bmoe.engine import grammar as gbnf
+from bmoe.engine.families.grammar_calls import tool_call_grammar
 from bmoe.engine.chatparse import HERMES, QWEN3_CODER
 from bmoe.engine.grammar_guard import (
     LLAMA_REPETITION_THRESHOLD,
@@ -91,14 +92,14 @@ def test_issue_schemas_build_and_sample(child: GrammarChild, name: str) -> None:
     _assert_compiles(child, gbnf.json_schema_grammar(schema, allow_reasoning=True))
     for framing in (HERMES, QWEN3_CODER):
         tools = [_tool(schema), _tool({"type": "object", "properties": {}}, "Other")]
-        _assert_compiles(child, gbnf.tool_call_grammar(framing, tools, allow_reasoning=True))
-        lazy = gbnf.tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True)
+        _assert_compiles(child, tool_call_grammar(framing, tools, allow_reasoning=True))
+        lazy = tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True)
         _assert_compiles(child, lazy, lazy=True)
 
 
 def test_relaxing_warns_once_naming_tool_and_field(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="bmoe.grammar"):
-        gbnf.tool_call_grammar(HERMES, [_tool({"type": "object"}, "A"),
+        tool_call_grammar(HERMES, [_tool({"type": "object"}, "A"),
                                         _tool(ISSUE_SCHEMAS["claude-code-workflow"])],
                                allow_reasoning=False)
     lines = [r.getMessage() for r in caplog.records]
@@ -372,7 +373,7 @@ def test_fuzz_schemas_never_crash(child: GrammarChild, schema: dict[str, Any],
         else:
             params = schema if schema.get("type") == "object" else \
                 {"type": "object", "properties": {"x": schema}, "$defs": schema["$defs"]}
-            text = gbnf.tool_call_grammar(framing, [_tool(params)], allow_reasoning=think)
+            text = tool_call_grammar(framing, [_tool(params)], allow_reasoning=think)
     except ValueError as e:
         _clean_refusal(e)
         event("refused before llama.cpp")

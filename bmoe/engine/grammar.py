@@ -6,7 +6,8 @@ characters and allows only JSON escapes (the port lets ``\\x00``-``\\x1F`` throu
 ``json.loads`` refuses what a random model then writes), and whitespace between tokens
 is bounded, so a model cannot spend its budget on spaces.
 
-``tool_call_grammar`` writes the output a ``tool_choice: required`` turn must have:
+``qwen_call_grammar`` writes the output a ``tool_choice: required`` turn must have in
+Qwen's two framings (every family's: ``families/grammar_calls.tool_call_grammar``):
 an optional reasoning span, then one or more calls in the template's framing, each
 naming an offered tool with arguments that match its parameters schema. The framing's
 tags are single special tokens whose text is the tag, and the sampler matches token
@@ -435,17 +436,15 @@ def function_tools(tools: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str,
     return out
 
 
-def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reasoning: bool,
-                      starts_in_reasoning: bool = False, parallel: bool = False,
-                      first_index: int = 0) -> str:
-    """The output of a turn that must call a tool, in the template's framing.
+def qwen_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reasoning: bool,
+                      starts_in_reasoning: bool = False, parallel: bool = False) -> str:
+    """The output of a turn that must call a tool, in Qwen's framings (hermes,
+    qwen3_coder); `families/grammar_calls.tool_call_grammar` dispatches every family.
 
     ``starts_in_reasoning``: the prompt left ``<think>`` open, so the output begins
     inside the span and must close it (at once, when reasoning is not allowed).
     ``parallel``: several calls may follow each other (else exactly one, as
     llama.cpp's server does unless ``parallel_tool_calls`` is set).
-    ``first_index``: the calls the conversation holds already, for the families that
-    number their call ids over the conversation (Kimi K2).
     """
     functions = function_tools(tools)
     if framing == HERMES:
@@ -453,12 +452,7 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     elif framing == QWEN3_CODER:
         conv, bodies = _coder_bodies(functions)
     else:
-        # Imported here: grammar_calls builds on this module's converter (a documented
-        # exception in .importlinter: one module split in two, the cycle kept inside).
-        from .families.grammar_calls import family_call_grammar
-        return family_call_grammar(framing, tools, allow_reasoning=allow_reasoning,
-                                   starts_in_reasoning=starts_in_reasoning, parallel=parallel,
-                                   first_index=first_index)
+        raise ValueError(f"{framing!r} is not one of Qwen's framings")
     rules = conv._rules
     more = " ( bmoe-gap bmoe-call )*" if parallel else ""
     rules["root"] = f"{_reasoning_prefix(rules, allow_reasoning, starts_in_reasoning)}" \
@@ -469,16 +463,14 @@ def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reason
     return _format(conv, "tools")
 
 
-def tool_call_heads(framing: str, tools: list[dict[str, Any]], first_index: int = 0
-                    ) -> list[str]:
-    """The literal beginning of each call `tool_call_grammar` (no reasoning) holds, up to
+def qwen_call_heads(framing: str, tools: list[dict[str, Any]]) -> list[str]:
+    """The literal beginning of each call `qwen_call_grammar` (no reasoning) holds, up to
     the arguments (`triggers`: the text a lazy grammar may be handed at its trigger)."""
     if framing == HERMES:
         return [CALL_OPEN + "\n"]
     if framing == QWEN3_CODER:
         return [f"{CALL_OPEN}\n<function={name}>\n" for name, _ in function_tools(tools)]
-    from .families.grammar_calls import call_heads   # the documented exception, as above
-    return call_heads(framing, tools, first_index)
+    raise ValueError(f"{framing!r} is not one of Qwen's framings")
 
 
 def tool_where(index: int, name: str) -> str:

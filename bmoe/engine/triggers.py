@@ -18,7 +18,7 @@ What the grammar is fed at that moment must be a beginning it holds: llama.cpp t
 across its C API when the grammar refuses it, and the process ends. The token that
 completes a word may run past it (``"name":`` after ``{"name"``), so a pattern here is
 not the bare word: it matches only when the text from the word to the end is still a
-prefix of one of the calls' *heads* (`grammar.tool_call_heads`: the literal text each
+prefix of one of the calls' *heads* (`families.grammar_calls.tool_call_heads`: the literal text each
 call starts with, up to its arguments). A word written otherwise is simply no call: the
 text stays free. A word no head starts with (a marker of another form the grammar does
 not write) is no trigger at all.

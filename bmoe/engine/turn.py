@@ -21,6 +21,7 @@ from . import families
 from . import grammar as gbnf
 from .chatparse import CALL_OPEN
 from .errors import EngineError, context_full, no_vision
+from .families.grammar_calls import tool_call_grammar, tool_call_heads
 from .images import ImageSet
 from .sampling import Sampling, check_tokens
 from .session import Generation, PrefillProgress, Session, TokenEvent
@@ -230,7 +231,7 @@ def choose_grammar(req: TurnRequest, framing: str | None,
                                   "call format the server knows, so a call cannot be required.")
             tools = [t for t in req.tools if t["function"]["name"] == req.named_tool] \
                 if req.named_tool else req.tools
-            return gbnf.tool_call_grammar(framing, tools,
+            return tool_call_grammar(framing, tools,
                                           allow_reasoning=req.think and req.grammar_reasoning,
                                           starts_in_reasoning=starts_in_reasoning,
                                           parallel=req.parallel_calls,
@@ -263,14 +264,14 @@ def _lazy_call_grammar(framing: str, tools: list[dict[str, Any]], first_index: i
     cannot express leaves the calls unconstrained rather than refusing a turn that may
     never call a tool."""
     try:
-        text = gbnf.tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True,
+        text = tool_call_grammar(framing, tools, allow_reasoning=False, parallel=True,
                                       first_index=first_index)
     except ValueError as e:
         log.warning("tool calls will not be held to a grammar: %s", e)
         return None
     fam = families.family(framing)
     words = list(fam.triggers) if fam is not None and fam.triggers else [CALL_OPEN]
-    return LazyGrammar(text, words, gbnf.tool_call_heads(framing, tools, first_index))
+    return LazyGrammar(text, words, tool_call_heads(framing, tools, first_index))
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Forced-call grammars in each family's own syntax (`grammar.tool_call_grammar` asks here
-for every framing but Qwen's two)."""
+"""Forced-call grammars in each family's own syntax: `tool_call_grammar` for every
+framing (Qwen's two are `grammar.qwen_call_grammar`'s), and `tool_call_heads`, where a
+lazy trigger may hand the text to it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import copy
 from typing import Any
 
 from .. import grammar as g
+from ..chatparse import HERMES, QWEN3_CODER
 from . import (APERTUS, COMMAND_R7B, DEEPSEEK_R1, DEEPSEEK_V4, DEEPSEEK_V31, DEEPSEEK_V32, GEMMA4,
                GENERIC, GLM45, GPT_OSS, KIMI_K2, LFM2, LLAMA3, MINIMAX_M2, MISTRAL, SEED_OSS,
                reasoning_markers)
@@ -116,6 +118,35 @@ def _kimi_grammar(conv: Any, functions: list[tuple[str, Any]], allow_reasoning: 
     rules["bmoe-gap"] = g.GAP_RULE          # the reasoning prefix's rules use it
     rules["root"] = f"{_prefix(KIMI_K2, rules, allow_reasoning, starts_in_reasoning)}{calls}"
     return g._format(conv, "tools")
+
+
+def tool_call_grammar(framing: str, tools: list[dict[str, Any]], *, allow_reasoning: bool,
+                      starts_in_reasoning: bool = False, parallel: bool = False,
+                      first_index: int = 0) -> str:
+    """The output of a turn that must call a tool, in the template's framing.
+
+    ``starts_in_reasoning``: the prompt left the reasoning span open, so the output
+    begins inside it and must close it (at once, when reasoning is not allowed).
+    ``parallel``: several calls may follow each other (else exactly one, as llama.cpp's
+    server does unless ``parallel_tool_calls`` is set). ``first_index``: the calls the
+    conversation holds already, for the families that number their call ids over the
+    conversation (Kimi K2).
+    """
+    if framing in (HERMES, QWEN3_CODER):
+        return g.qwen_call_grammar(framing, tools, allow_reasoning=allow_reasoning,
+                                   starts_in_reasoning=starts_in_reasoning, parallel=parallel)
+    return family_call_grammar(framing, tools, allow_reasoning=allow_reasoning,
+                               starts_in_reasoning=starts_in_reasoning, parallel=parallel,
+                               first_index=first_index)
+
+
+def tool_call_heads(framing: str, tools: list[dict[str, Any]], first_index: int = 0
+                    ) -> list[str]:
+    """The literal beginning of each call `tool_call_grammar` (no reasoning) holds, up to
+    the arguments (`triggers`: the text a lazy grammar may be handed at its trigger)."""
+    if framing in (HERMES, QWEN3_CODER):
+        return g.qwen_call_heads(framing, tools)
+    return call_heads(framing, tools, first_index)
 
 
 def call_heads(framing: str, tools: list[dict[str, Any]], first_index: int = 0) -> list[str]:
