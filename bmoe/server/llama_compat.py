@@ -32,6 +32,7 @@ from pydantic import StrictBool, StrictStr
 from .. import __version__, atomicfile
 from ..engine.sampling import check_tokens
 from ..engine.session import Session
+from ..engine.turn import render_prompt
 from ..http import limits
 from ..http.errors import HTTPError, invalid_request
 from ..http.routes import Access, RouteTable
@@ -366,7 +367,6 @@ async def detokenize(state: Runtime, request: Request) -> Response:
 # -- chat prompts ------------------------------------------------------------------
 
 def _render(session: Session, req: Any, with_ids: bool) -> dict[str, Any]:
-    from ..engine.turn import render_prompt
     text = render_prompt(session, req)
     out: dict[str, Any] = {"prompt": text}
     if with_ids:
