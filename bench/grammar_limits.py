@@ -30,10 +30,7 @@ from bmoe.engine import grammar as gbnf  # noqa: E402
 from bmoe.engine import grammar_guard  # noqa: E402
 from bmoe.engine.thread import ENGINE_STACK_BYTES  # noqa: E402
 
-try:
-    from bmoe.modelmaker import make_model  # noqa: E402
-except ImportError:  # the maker's older home
-    from bmoe.engine.modelmaker import make_model  # type: ignore[no-redef]  # noqa: E402
+from bmoe.modelmaker import make_model  # noqa: E402
 
 DEFAULT_STACK = 8 * 1024 * 1024
 

@@ -13,10 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-try:  # the model maker may move to its own package
-    from bmoe.modelmaker import make_model  # type: ignore[import-not-found,unused-ignore]
-except ImportError:  # pragma: no cover - where it is today
-    from bmoe.engine.modelmaker import make_model
+from bmoe.modelmaker import make_model
 
 __all__ = ["make_model", "split_model", "write_kind", "hostile_headers"]
 

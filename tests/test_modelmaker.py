@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from bmoe import modelmaker as mm
+from bmoe.modelmaker import weights, writer
+from bmoe.modelmaker.bpe import byte_to_unicode
 from bmoe.modelmaker.templates import TEMPLATES, chat_template, render_chat
 
 T = gguf.GGMLQuantizationType
@@ -168,9 +170,9 @@ def test_deepseek2_v3_options(models: dict[str, Path]) -> None:
 def test_other_archs_keep_their_spec_record() -> None:
     """deepseek2's fields stay out of other archs' spec record, so a qwen3moe file has the
     bytes it had before deepseek2 was added."""
-    record = mm._spec_record(mm.ModelSpec())
+    record = writer._spec_record(mm.ModelSpec())
     assert not set(mm.MLA_FIELDS) & set(record)
-    assert set(mm.MLA_FIELDS) <= set(mm._spec_record(mm.ModelSpec(arch="deepseek2")))
+    assert set(mm.MLA_FIELDS) <= set(writer._spec_record(mm.ModelSpec(arch="deepseek2")))
 
 
 @pytest.mark.parametrize(("key", "dtype", "ftype"), [("moe-f16", T.F16, 1), ("moe-q8", T.Q8_0, 7)])
@@ -191,8 +193,8 @@ def test_big_tensors_are_written_in_bounded_chunks() -> None:
     spec = mm.ModelSpec(n_layer=1, n_embd=2048, n_head=16, n_head_kv=4, head_dim=128,
                         n_expert=128, n_ff_exp=768, dtype="f16")
     vocab = mm.build_vocab()
-    experts = next(t for t in mm._plan(spec, vocab.size) if t.name.endswith("ffn_up_exps.weight"))
-    chunks = mm._chunks(spec, vocab, experts)
+    experts = next(t for t in weights._plan(spec, vocab.size) if t.name.endswith("ffn_up_exps.weight"))
+    chunks = weights._chunks(spec, vocab, experts)
     first = next(chunks)
     assert first.nbytes <= 2 * mm.CHUNK_ELEMENTS * 2
     assert first.nbytes < experts.nbytes // 32
@@ -257,7 +259,7 @@ def test_cli_and_demo_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 def test_vocabulary() -> None:
     v = mm.build_vocab()
-    b2u = mm.byte_to_unicode()
+    b2u = byte_to_unicode()
     assert v.tokens[:256] == tuple(b2u[b] for b in range(256))
     assert len(set(v.tokens)) == v.size and v.size % 64 == 0
     assert len(v.merges) >= 200

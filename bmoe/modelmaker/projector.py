@@ -34,7 +34,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from bmoe.modelmaker import make_model, write_atomically
+from .writer import make_model, write_atomically
 
 
 @dataclass(frozen=True)

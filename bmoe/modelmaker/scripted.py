@@ -30,7 +30,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from bmoe.modelmaker import VOCAB_MULTIPLE, build_vocab, write_atomically
+from .spec import VOCAB_MULTIPLE
+from .vocab import build_vocab
+from .writer import write_atomically
 
 HEAD_DIM = 32
 # logit weights, in units of the normalised residual (see `_output`)
