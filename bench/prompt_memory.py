@@ -71,8 +71,8 @@ STREAMED = ("cli-stream", "cli-auto", "server-stream", "server-plan")
 def prompt_tokens(model: Path, n: int) -> list[int]:
     """`n` token ids of real text (the benchmark text repeated), by the model's tokenizer."""
     import llama_cpp as lc
-    from bmoe.engine.session import _quiet_llama_logs
-    _quiet_llama_logs()
+    from bmoe.engine import backend
+    backend.start()             # llama.cpp's logs routed (errors only), the backend up
     mp = lc.llama_model_default_params()
     mp.vocab_only = True
     m = lc.llama_model_load_from_file(str(model).encode(), mp)

@@ -1,0 +1,258 @@
+"""Prefill of long prompts (an agent's): resident, streamed and mmap under a memory cap.
+
+    sudo .venv/bin/python bench/prefill.py --keep [--layers 12] [--prompts 1024,8192,32768]
+
+Writes the benchmark MoE of `stream_vs_mmap.py` (24 layers x 64 experts, top-4, F16,
+4.65 GiB; `--layers 12` for the 2.33 GiB one), then for every prompt size starts one fresh
+`bmoe-server` per mode, with the page cache dropped first, and sends the prompt's token
+ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
+
+  resident   --no-auto --no-moe-stream, no cap: llama.cpp on mmap with the file in the
+             page cache (read once before the run): the baseline
+  stream     --no-auto (expert streaming, cache-mb auto), under the cap
+  mmap       --no-auto --no-moe-stream, under the cap (llama.cpp on mmap, the kernel
+             evicting pages)
+
+The cap is `--cap-frac` of the file's size (default 0.4), a fresh memory cgroup per run
+(v1 or v2, `bmoe.machine.cgroup.MemoryCap`). Per run: prefill tokens per second (the
+server's own `timings`), the expert bytes the streamer read for the prompt (from
+`/metrics`, `bmoe:expert_read_bytes_total` before and after; mmap's reads are the
+kernel's page faults, not counted) and how many passes over every expert of the model
+that is, and the ratio of the mode's rate to the resident
+one's measured in the same run.
+
+Then the agent's second request (`--agent-prefix`, default the largest prompt size): on a
+streamed server under the cap, a prompt of that many tokens, then the same prefix plus
+`--agent-new` new tokens. Its first token should come within the new tokens' prefill
+time plus 0.5 s (prefix reuse: nothing re-read that is still cached): the bench prints
+the time to the first token, the new tokens' prefill time at the first request's rate,
+and whether it met the bound.
+
+Needs root (cgroups, drop_caches). Deletes the model file at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _common import MIB, drop_caches  # noqa: E402
+from prompt_memory import _post, _wait_loaded, prompt_tokens  # noqa: E402
+from stream_vs_mmap import add_model_args, make_bench_model, warm_page_cache  # noqa: E402
+
+from bmoe.machine.cgroup import MemoryCap  # noqa: E402
+from bmoe.models.probe import probe_file  # noqa: E402
+
+MODES = {
+    "resident": (["--no-auto", "--no-moe-stream"], False),
+    "stream": (["--no-auto"], True),
+    "mmap": (["--no-auto", "--no-moe-stream"], True),
+}
+READ_METRIC = re.compile(rb"^bmoe:expert_read_bytes_total (\S+)$", re.M)
+
+
+def expert_bytes(model: Path) -> int:
+    """The bytes of every routed expert of the model (one pass over all of them)."""
+    p = probe_file(model)
+    return int(p.expert_bytes)
+
+
+def read_bytes(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        m = READ_METRIC.search(r.read())
+    return float(m.group(1)) if m else 0.0
+
+
+class Server:
+    """One bmoe-server on the model, inside `cap` (None: no cap)."""
+
+    def __init__(self, model: Path, flags: list[str], cap: MemoryCap | None,
+                 args: argparse.Namespace) -> None:
+        self.data = Path(tempfile.mkdtemp(prefix="bmoe-prefill-data-"))
+        cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
+               str(self.data), "--threads", str(args.threads), "--ctx-size",
+               str(args.ctx_size), "--metrics", "--model", str(model), *flags]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", BMOE_LLAMA_LOG="0")
+        popen = cap.popen if cap is not None else subprocess.Popen
+        self.proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env=env, cwd=tempfile.gettempdir())
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.close()
+            raise RuntimeError(f"the server did not start: {line!r}")
+        self.url = line.split("listening on", 1)[1].strip().rstrip("/")
+        state = _wait_loaded(self.url, self.proc, time.monotonic() + args.run_timeout)
+        if state.get("state") != "ready":
+            self.close()
+            raise RuntimeError(f"the model did not load: {str(state)[:300]}")
+
+    def prompt(self, ids: list[int], timeout: float, cache: bool = False) -> dict[str, Any]:
+        before = read_bytes(self.url)
+        t0 = time.monotonic()
+        status, reply = _post(self.url + "/completion",
+                              {"prompt": ids, "n_predict": 1, "temperature": 0,
+                               "cache_prompt": cache}, timeout)
+        wall = time.monotonic() - t0
+        if status != 200 or not isinstance(reply, dict):
+            return {"outcome": "failed", "why": str(reply)[:300], "status": status}
+        t = reply.get("timings", {})
+        return {"outcome": "answered", "wall_s": round(wall, 3),
+                "n_prompt": t.get("prompt_n"), "prefill_s": t.get("prompt_ms", 0.0) / 1e3,
+                "tok_s": t.get("prompt_per_second", 0.0), "cached": reply.get("tokens_cached"),
+                "read_bytes": read_bytes(self.url) - before}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def run_mode(mode: str, model: Path, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    flags, capped = MODES[mode]
+    limit = int(model.stat().st_size * args.cap_frac)
+    cap = MemoryCap(f"bmoe-prefill-{os.getpid()}", limit) if capped else None
+    try:
+        drop_caches()
+        if not capped:
+            warm_page_cache(model)
+        try:
+            server = Server(model, flags, cap, args)
+        except RuntimeError as e:
+            res = {"outcome": "failed", "why": str(e)}
+        else:
+            try:
+                res = server.prompt(ids, args.run_timeout)
+            finally:
+                server.close()
+        if cap is not None and cap.oom_kills():
+            res["outcome"] = "killed"
+        res.update(mode=mode, prompt=len(ids), cap_mib=round(limit / MIB) if capped else 0)
+        return res
+    finally:
+        if cap is not None:
+            cap.remove()
+
+
+def agent_second_request(model: Path, ids: list[int], new: list[int],
+                         args: argparse.Namespace) -> dict[str, Any]:
+    limit = int(model.stat().st_size * args.cap_frac)
+    cap = MemoryCap(f"bmoe-prefill-agent-{os.getpid()}", limit)
+    try:
+        drop_caches()
+        try:
+            server = Server(model, MODES["stream"][0], cap, args)
+        except RuntimeError as e:
+            return {"outcome": "failed", "why": str(e)}
+        try:
+            first = server.prompt(ids, args.run_timeout, cache=True)
+            second = server.prompt(ids + new, args.run_timeout, cache=True)
+        finally:
+            server.close()
+        if first["outcome"] != "answered" or second["outcome"] != "answered":
+            return {"outcome": "failed", "first": first, "second": second}
+        rate = first["tok_s"] or 1.0
+        new_s = len(new) / rate
+        return {"outcome": "answered", "prefix": len(ids), "new": len(new),
+                "first_s": first["wall_s"], "second_s": second["wall_s"],
+                "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
+                "new_prefill_s": round(new_s, 3), "bound_s": round(new_s + 0.5, 3),
+                "met": second["wall_s"] <= new_s + 0.5}
+    finally:
+        cap.remove()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    p.add_argument("--prompts", default="1024,8192,32768", help="prompt sizes, tokens")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--cap-frac", type=float, default=0.4)
+    p.add_argument("--agent-prefix", type=int, default=0,
+                   help="the agent's prefix, tokens (default the largest prompt; 0 skips "
+                        "with --no-agent)")
+    p.add_argument("--agent-new", type=int, default=500)
+    p.add_argument("--no-agent", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--run-timeout", type=float, default=3600.0)
+    p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
+    p.add_argument("--json", help="write every run's figures here")
+    args = p.parse_args(argv)
+    sizes = [int(x) for x in args.prompts.split(",")]
+    prefix = args.agent_prefix or max(sizes)
+    args.ctx_size = max(max(sizes), prefix + args.agent_new) + 64
+    print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
+    t_start = time.monotonic()
+    model = make_bench_model(args)
+    every = expert_bytes(model)
+    all_ids = prompt_tokens(model, max(max(sizes), prefix + args.agent_new))
+    results: list[dict[str, Any]] = []
+    try:
+        for n in sizes:
+            base = None
+            for mode in args.modes.split(","):
+                r = run_mode(mode, model, all_ids[:n], args)
+                if mode == "resident" and r["outcome"] == "answered":
+                    base = r["tok_s"]
+                ratio = (r.get("tok_s", 0) / base) if base and r["outcome"] == "answered" else 0
+                passes = r.get("read_bytes", 0) / every if every else 0.0
+                r.update(vs_resident=round(ratio, 3), passes=round(passes, 2))
+                results.append(r)
+                if r["outcome"] == "answered":
+                    read = (f"experts read {r['read_bytes'] / MIB:8.0f} MiB = {passes:5.2f} "
+                            "passes" if mode == "stream" else
+                            "experts read by the kernel (not counted)")
+                    print(f"{mode:9s} {n:6d} tokens: {r['tok_s']:8.1f} tok/s "
+                          f"({r['prefill_s']:.1f} s), {read}, {ratio:.3f}x resident",
+                          flush=True)
+                else:
+                    print(f"{mode:9s} {n:6d} tokens: {r['outcome']} {r.get('why', '')}",
+                          flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1))
+        if not args.no_agent:
+            a = agent_second_request(model, all_ids[:prefix],
+                                     all_ids[prefix:prefix + args.agent_new], args)
+            results.append({"mode": "agent", **a})
+            if a["outcome"] == "answered":
+                print(f"agent: {a['prefix']}-token prefix in {a['first_s']:.1f} s; the same "
+                      f"plus {a['new']} new tokens answered its first token in "
+                      f"{a['second_s']:.2f} s (context {a['second_cached']} tokens, "
+                      f"{a['second_read_mib']:.0f} MiB read) against the bound "
+                      f"{a['bound_s']:.2f} s (the new tokens' prefill {a['new_prefill_s']:.2f}"
+                      f" s + 0.5 s): {'met' if a['met'] else 'MISSED'}", flush=True)
+            else:
+                print(f"agent: {a['outcome']}: {json.dumps(a)[:400]}", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    finally:
+        if not args.keep:
+            model.unlink(missing_ok=True)
+    print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    print(f"total {time.monotonic() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
