@@ -51,7 +51,7 @@ from ...runtime.turnevents import (
 )
 from .. import serving, wire
 from ..llama_options import slot_count
-from ..shapes import engine_http_error, llama_error_body
+from ..shapes import LLAMA, engine_error, llama_error_body
 from . import choices
 from .choices import Tally
 
@@ -427,7 +427,7 @@ def token_probs(ev: Any, post_sampling: bool = False) -> dict[str, Any]:
 
 
 def _as_http(e: EngineError | HTTPError) -> HTTPError:
-    return engine_http_error(e) if isinstance(e, EngineError) else e
+    return engine_error(LLAMA, e) if isinstance(e, EngineError) else e
 
 
 class _TextEncoder:

@@ -43,7 +43,7 @@ from ...runtime.turnevents import (
 from .. import chatreq, serving, wire
 from ..imageparts import image_part, read_images
 from ..llama_options import llama_options
-from ..shapes import engine_http_error
+from ..shapes import engine_error
 from ..wire import (
     MAX_SCHEMA_DEPTH,
     TOP_LOGPROBS_MAX,
@@ -444,7 +444,7 @@ class ChatEncoder:
             case Finished():
                 return self._finished(ev)
             case Failed(error=EngineError() as e):
-                return self._error(engine_http_error(e))
+                return self._error(engine_error(None, e))   # the server's own shape
             case Failed(error=HTTPError() as e):
                 return self._error(e)
         return b""
