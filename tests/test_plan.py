@@ -325,16 +325,17 @@ def test_the_server_runs_the_matmul_probe_on_its_engine_thread(tmp_path: Path) -
     later decode of the server 1.6x slower on 2 cores (bmoe/planner/measure.py). The
     plan's matmul runs on the engine thread, and the measurement uses that route."""
     import threading
-    from types import SimpleNamespace
 
-    from bmoe.engine.thread import EngineThread
     from bmoe.modelmaker import make_model
     from bmoe.planner import measure as measure_mod
+    from bmoe.runtime.config import ConfigStore
+    from bmoe.runtime.events import EventBus
+    from bmoe.runtime.state import Runtime, ServerOptions
     from bmoe.server.plan_routes import PlanService
 
-    engine = EngineThread()
+    state = Runtime(ServerOptions(data_dir=tmp_path), ConfigStore(tmp_path, {}), EventBus())
+    engine = state.engine
     try:
-        state = SimpleNamespace(options=SimpleNamespace(data_dir=str(tmp_path)), engine=engine)
         service = PlanService(state)
         ran_on: list[str] = []
 
