@@ -9,7 +9,11 @@ ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
 
   resident   --no-auto --no-moe-stream, no cap: llama.cpp on mmap with the file in the
              page cache (read once before the run): the baseline
-  stream     --no-auto (expert streaming, cache-mb auto), under the cap
+  stream     --no-auto (expert streaming, cache-mb auto, prompt read-ahead on: the
+             next layer's experts read while a layer computes), under the cap
+  plan       expert streaming as the plan sets it up under the cap (the server's default:
+             its cache, threads and prompt batch; a larger batch passes over the
+             experts fewer times)
   mmap       --no-auto --no-moe-stream, under the cap (llama.cpp on mmap, the kernel
              evicting pages)
 
@@ -22,9 +26,10 @@ that is, and the ratio of the mode's rate to the resident
 one's measured in the same run.
 
 Then the agent's second request (`--agent-prefix`, default the largest prompt size): on a
-streamed server under the cap, a prompt of that many tokens, then the same prefix plus
-`--agent-new` new tokens. Its first token should come within the new tokens' prefill
-time plus 0.5 s (prefix reuse: nothing re-read that is still cached): the bench prints
+server as the plan sets it up under the cap (`--agent-mode` to choose another), a prompt
+of that many tokens, then the same prefix plus `--agent-new` new tokens. Its first
+token should come within the new tokens' prefill time plus 0.5 s (prefix reuse: nothing
+re-read that is still cached): the bench prints
 the time to the first token, the new tokens' prefill time at the first request's rate,
 and whether it met the bound.
 
@@ -60,6 +65,7 @@ from bmoe.models.probe import probe_file  # noqa: E402
 MODES = {
     "resident": (["--no-auto", "--no-moe-stream"], False),
     "stream": (["--no-auto"], True),
+    "plan": ([], True),
     "mmap": (["--no-auto", "--no-moe-stream"], True),
 }
 READ_METRIC = re.compile(rb"^bmoe:expert_read_bytes_total (\S+)$", re.M)
@@ -100,6 +106,8 @@ class Server:
         if state.get("state") != "ready":
             self.close()
             raise RuntimeError(f"the model did not load: {str(state)[:300]}")
+        context = ((state.get("model") or {}).get("context") or {})
+        self.n_ubatch = int(context.get("n_ubatch") or 0)
 
     def prompt(self, ids: list[int], timeout: float, cache: bool = False) -> dict[str, Any]:
         before = read_bytes(self.url)
@@ -144,6 +152,7 @@ def run_mode(mode: str, model: Path, ids: list[int], args: argparse.Namespace) -
         else:
             try:
                 res = server.prompt(ids, args.run_timeout)
+                res["n_ubatch"] = server.n_ubatch
             finally:
                 server.close()
         if cap is not None and cap.oom_kills():
@@ -162,7 +171,7 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
     try:
         drop_caches()
         try:
-            server = Server(model, MODES["stream"][0], cap, args)
+            server = Server(model, MODES[args.agent_mode][0], cap, args)
         except RuntimeError as e:
             return {"outcome": "failed", "why": str(e)}
         try:
@@ -174,7 +183,8 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
             return {"outcome": "failed", "first": first, "second": second}
         rate = first["tok_s"] or 1.0
         new_s = len(new) / rate
-        return {"outcome": "answered", "prefix": len(ids), "new": len(new),
+        return {"outcome": "answered", "server": args.agent_mode, "prefix": len(ids),
+                "new": len(new),
                 "first_s": first["wall_s"], "second_s": second["wall_s"],
                 "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
                 "new_prefill_s": round(new_s, 3), "bound_s": round(new_s + 0.5, 3),
@@ -194,6 +204,7 @@ def main(argv: list[str]) -> int:
                         "with --no-agent)")
     p.add_argument("--agent-new", type=int, default=500)
     p.add_argument("--no-agent", action="store_true")
+    p.add_argument("--agent-mode", default="plan", choices=["stream", "plan"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--run-timeout", type=float, default=3600.0)
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
@@ -221,10 +232,11 @@ def main(argv: list[str]) -> int:
                 results.append(r)
                 if r["outcome"] == "answered":
                     read = (f"experts read {r['read_bytes'] / MIB:8.0f} MiB = {passes:5.2f} "
-                            "passes" if mode == "stream" else
+                            "passes" if mode in ("stream", "plan") else
                             "experts read by the kernel (not counted)")
                     print(f"{mode:9s} {n:6d} tokens: {r['tok_s']:8.1f} tok/s "
-                          f"({r['prefill_s']:.1f} s), {read}, {ratio:.3f}x resident",
+                          f"({r['prefill_s']:.1f} s, ubatch {r.get('n_ubatch')}), {read}, "
+                          f"{ratio:.3f}x resident",
                           flush=True)
                 else:
                     print(f"{mode:9s} {n:6d} tokens: {r['outcome']} {r.get('why', '')}",

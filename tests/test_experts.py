@@ -197,6 +197,54 @@ def test_a_prompt_longer_than_a_prefill_chunk_matches(models: dict[str, Path]) -
         ref.close()
 
 
+@pytest.mark.parametrize("name", ["moe", "moe-f16"])
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "on-demand"])
+def test_prefill_read_ahead_matches(models: dict[str, Path], name: str, ahead: bool) -> None:
+    """A long prompt under a small cache: with prompt read-ahead the next layer's experts
+    are read while a layer computes; the tokens and the last logits stay the resident
+    engine's, byte for byte (moe-f16's routers are F16: guessed by the router; moe's are
+    not: every expert of the next layer, as a batch routes to nearly all)."""
+    long = [{"role": "user", "content": "Tell me about the weather in every city. " * 90}]
+    ref = Session(models[name], dict(BASE, **{"ctx-size": 2048}))
+    cap = 2 if name == "moe" else 1    # below every expert (3 / 1.5 MiB), two layers' sets
+    s = open_session(models[name], **STREAM, **{"cache-mb": cap, "ctx-size": 2048,
+                                                "prefill-ahead": ahead})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        want, _, _ = turn(ref, long, n=8)
+        got, summary, _ = turn(s, long, n=8)
+        assert summary["n_prompt"] > 512
+        assert got == want and ref.logits_row().tobytes() == s.logits_row().tobytes()
+        figures = st.summary()
+        if ahead:
+            assert st.load_info["prefill_ahead"].startswith("the next layer's experts")
+            assert st.queue is not None
+            assert figures["prefill_ahead"] and figures["prefill_ahead_mib"] > 0
+            assert figures["spec_prefetched"] > 0 and figures["spec_useful"] > 0
+            assert figures["spec_useful"] <= figures["spec_prefetched"]
+        else:
+            assert "prefill_ahead" not in st.load_info and st.queue is None
+            assert not figures["prefill_ahead"] and figures["spec_prefetched"] == 0
+        assert figures["cache_resident_mib"] <= figures["cache_budget_mib"]
+    finally:
+        s.close()
+        ref.close()
+
+
+def test_prefill_read_ahead_needs_room_for_two_layers(models: dict[str, Path]) -> None:
+    """A cache below two layers' batch sets: the layer computing holds its set, the next
+    one's would find no room, so prompt read-ahead stays off and says why."""
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 1, "force-cache": True})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        assert st.load_info["prefill_ahead"].startswith("off: the cache (1 MiB) holds fewer")
+        assert st.queue is None and not st.summary()["prefill_ahead"]
+    finally:
+        s.close()
+
+
 def test_forced_cache_below_a_token_cycle_still_matches(models: dict[str, Path]) -> None:
     def check(st: ExpertStreamer) -> None:
         assert st.summary()["cache_budget_mib"] == 1.0

@@ -26,7 +26,7 @@ EXPECTED_ROWS = [
     "n-predict", "think", "ctx-size", "threads", "threads-batch", "trial-threads",
     "trial-overlap", "temp", "top-k", "top-p", "seed",
     "moe-stream", "io-threads", "o-direct", "huge-pages",
-    "prefetch", "spec-gate", "overlap", "cache-mb", "cache-policy",
+    "prefetch", "spec-gate", "overlap", "prefill-ahead", "cache-mb", "cache-policy",
     "cache-fill", "cache-floor-mb", "cache-ceil-mb", "dense-weights", "repack", "rpc",
     "rpc-layers", "batch-size", "ubatch-size", "flash-attn", "cache-type-k", "cache-type-v",
     "swa-full", "embedding", "pooling", "force-cache", "load-all", "decide"]

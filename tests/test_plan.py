@@ -382,3 +382,28 @@ def test_the_record_is_replayed_through_the_engines_own_policy() -> None:
     reuse = policy_hit_rate(rec, 32, "reuse")
     assert 0 < lru < reuse < 1
     assert policy_hit_rate(rec, 0, "reuse") == 0.0
+
+
+def test_streaming_under_a_small_cache_grows_the_prompt_batch() -> None:
+    """A long prompt reads every expert once per batch: with room, the plan takes a
+    larger batch (its compute buffer out of the cache, at most an eighth of it); with the
+    person's own batch size, or a cache that holds every expert, it keeps 512."""
+    from bmoe.planner.plan import PREFILL_CACHE_SHARE, prompt_batch
+
+    facts = moe_facts()
+    plain = plan_for(facts, memory(2 * GIB), {"ubatch-size": 512}).to_json()
+    grown = plan_for(facts, memory(2 * GIB)).to_json()
+    assert plain["values"].get("ubatch-size") is None
+    n = grown["values"]["ubatch-size"]
+    assert n in (1024, 2048) and grown["values"]["batch-size"] == n
+    assert f"--ubatch-size {n}" in " ".join(grown["args"]) or "--ubatch-size" in grown["args"]
+    extra = prompt_batch(facts, n).compute - prompt_batch(facts).compute
+    cache_before, cache_after = (p["values"]["cache-mb"] * MIB for p in (plain, grown))
+    assert 0 < cache_before - cache_after <= PREFILL_CACHE_SHARE * cache_before + MIB
+    assert cache_before - cache_after >= extra - MIB
+    assert any(d["knob"] == "ubatch-size" and "fewer passes" in d["brief"]
+               for d in grown["decisions"])
+    # every expert fits: one pass whatever the batch, nothing to gain
+    roomy = plan_for(moe_facts(experts=1 * GIB), memory(8 * GIB),
+                     {"moe-stream": True}).to_json()
+    assert roomy["regime"] == "experts-stream" and "ubatch-size" not in roomy["values"]

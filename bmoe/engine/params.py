@@ -344,6 +344,15 @@ def _rows() -> tuple[Param, ...]:
              "batched); on, compute goes on while the lanes read, and only the time a "
              "layer waits for its own experts is lost (stall).",
              False),
+        _row("prefill-ahead", "Prompt read-ahead", "bool", "streaming", "advanced",
+             "While a prompt's layer computes, reads the next layer's experts.",
+             "A prompt batch routes each layer to most of its experts, so a cache smaller "
+             "than the experts reads nearly every expert once per batch. With this on, "
+             "the next layer's experts (guessed for the whole batch by that layer's "
+             "router) are read while this layer computes, and a long prompt waits only "
+             "for what the disk could not read in that time. No effect when every "
+             "expert fits the cache.",
+             True),
         _row("cache-mb", "Expert cache", "int", "cache", "basic",
              "The memory that keeps experts once read.",
              "More cache reads less from storage, but below one token cycle (the bytes "

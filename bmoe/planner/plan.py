@@ -48,6 +48,14 @@ CTX_STEP = 1024
 # cover both, or a planned cache-mb is refused at load.
 RUNTIME_RESERVE = 64 * MIB
 N_UBATCH = 512                 # tokens of one prefill batch: the session's PREFILL_CHUNK
+# Streaming under a cache smaller than the experts, a prompt batch routes each layer to
+# nearly every expert, so a long prompt reads the experts once per batch: the plan grows
+# the batch to the largest of these whose larger compute buffer takes at most
+# PREFILL_CACHE_SHARE of the cache (measured with bench/prefill.py on the 12-layer
+# benchmark MoE, 4,096 tokens under a 700 MiB cache: 13.7 GB read at 512, 3.9 GB at 2,048,
+# with the prompt no slower).
+PREFILL_UBATCHES = (2048, 1024)
+PREFILL_CACHE_SHARE = 0.125
 # The streamer's cost per MoE layer and token beside the matmuls and the reads: the graph
 # callback, the cache's admission, the compute threads resumed after the layer's reads.
 # Measured with bench/plan_accuracy.py on the 12-layer benchmark MoE (2 cores): the time
@@ -255,6 +263,7 @@ class PromptBatch:
     mask_tok: int       # ... and what each context token adds to it (the attention mask)
     layer: int          # the experts the batch can route one layer to, held at once
     edges: int          # the expert slices' edge pages
+    n_ubatch: int = N_UBATCH
 
     @property
     def streamed(self) -> int:
@@ -262,7 +271,7 @@ class PromptBatch:
         return self.compute + self.edges
 
 
-def prompt_batch(facts: ModelFacts) -> PromptBatch:
+def prompt_batch(facts: ModelFacts, n_ubatch: int = N_UBATCH) -> PromptBatch:
     p = facts.probe
     shape = shape_of(facts.kv, facts.tensors)
     if not shape.n_embd:
@@ -275,13 +284,14 @@ def prompt_batch(facts: ModelFacts) -> PromptBatch:
     if not units and p.n_moe_layer and p.n_expert:       # no tensor list: the average
         units = {"all": p.expert_bytes // (p.n_moe_layer * p.n_expert)}
     layer_bytes = batch_layer_bytes(list(units.values()), p.n_expert, p.n_expert_used,
-                                    N_UBATCH) if p.is_moe else 0
+                                    n_ubatch) if p.is_moe else 0
     if experts:
         edges = edge_bytes((facts.data_start + t.offset, t.nbytes // max(1, p.n_expert),
                             p.n_expert) for t in experts)
     else:                       # one page shared by each pair of neighbouring slices
         edges = 3 * p.n_moe_layer * (p.n_expert + 1) * 4096 if p.is_moe else 0
-    return PromptBatch(estimate_compute(shape, N_UBATCH, 0), 2 * N_UBATCH, layer_bytes, edges)
+    return PromptBatch(estimate_compute(shape, n_ubatch, 0), 2 * n_ubatch, layer_bytes, edges,
+                       n_ubatch)
 
 
 def make_plan(inp: PlanInputs) -> Plan:
@@ -294,6 +304,7 @@ def make_plan(inp: PlanInputs) -> Plan:
     stream_ok = p.is_moe and p.streamable
     regime, ctx = _regime(b, budget, leave, kv_tok, whole, stream_ok)
     cache = _cache_bytes(b, regime, budget, leave, kv_tok * ctx, ctx)
+    cache = _decide_prompt_batch(b, regime, cache, budget, leave, kv_tok * ctx, ctx)
     _decide_knobs(b, regime, ctx, cache, kv_tok, budget, leave)
     predicted = _predict(b, regime, cache, budget, whole)
     pools = _ledger(b, regime, cache, kv_tok * ctx, budget, ctx)
@@ -392,6 +403,44 @@ def _cache_bytes(b: _Builder, regime: str, budget: int, leave: int, kv: int, ctx
     return max(p.token_cycle_bytes, min(p.expert_bytes, room))
 
 
+def _decide_prompt_batch(b: _Builder, regime: str, cache: int, budget: int, leave: int,
+                        kv: int, ctx: int) -> int:
+    """Streaming under a cache smaller than the experts: the largest prompt batch of
+    `PREFILL_UBATCHES` whose compute buffer grows by at most `PREFILL_CACHE_SHARE` of the
+    cache, and the cache that is then left. A long prompt reads every expert once per
+    batch, so a batch four times larger reads a quarter of the bytes."""
+    p = b.p
+    if (regime != "experts-stream" or cache >= p.expert_bytes or b.user("ubatch-size")
+            or b.user("batch-size") or b.user("cache-mb")):
+        return cache
+    base = b.batch
+    for n in PREFILL_UBATCHES:
+        if n > ctx:
+            continue
+        bigger = prompt_batch(b.inp.facts, n)
+        extra = (bigger.streamed + bigger.mask_tok * ctx) - (base.streamed + base.mask_tok * ctx)
+        if extra > PREFILL_CACHE_SHARE * cache:
+            continue
+        b.batch = bigger
+        left = _cache_bytes(b, regime, budget, leave, kv, ctx)
+        if left < max(p.token_cycle_bytes, bigger.layer):
+            b.batch = base
+            continue
+        passes = f"{n // base.n_ubatch}x fewer passes"
+        for knob in ("batch-size", "ubatch-size"):
+            b.add(knob, n, "derived",
+                  f"{n} tokens: a long prompt reads every expert once per batch of this "
+                  f"many tokens ({passes} than {base.n_ubatch}).",
+                  f"The cache ({size_text(left)}) is smaller than the experts "
+                  f"({size_text(p.expert_bytes)}), and a prompt batch routes each layer to "
+                  "nearly all of them, so a prompt reads them all once per batch. A batch "
+                  f"of {n} tokens takes {size_text(max(0, extra))} more compute buffer "
+                  f"than one of {base.n_ubatch} (at most "
+                  f"{PREFILL_CACHE_SHARE:.1%} of the cache), taken from the cache.")
+        return left
+    return cache
+
+
 def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
                   budget: int, leave: int) -> None:
     inp, p = b.inp, b.p
@@ -414,7 +463,7 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
                   f"This process may hold {size_text(budget)}; the dense weights take "
                   f"{size_text(p.dense_bytes)}, the context's KV cache "
                   f"{size_text(kv_tok * ctx)}, the runtime {size_text(RUNTIME_RESERVE)}, "
-                  f"a prompt batch of {N_UBATCH} tokens "
+                  f"a prompt batch of {b.batch.n_ubatch} tokens "
                   f"{size_text(_batch_beside(b, ctx))} (llama.cpp's compute buffer and the "
                   "experts' edge pages)"
                   + (f", and {size_text(leave)} is left to other programs" if leave else "")

@@ -52,26 +52,75 @@ def read_routers(layout: Layout) -> dict[int, np.ndarray]:
     return out
 
 
-def router_input(topk: ggml.GgmlTensor, layer: int) -> np.ndarray | None:
-    """Layer `layer`'s router input for the graph's last token, found from its topk view
+def _router_h(topk: ggml.GgmlTensor, layer: int) -> ggml.GgmlTensor | None:
+    """Layer `layer`'s router input tensor h, found from its topk view
     (topk -> argsort -> probs -> logits -> (W, h)), or None where the graph differs."""
+    argsort = topk.view_src or topk.src[0]
+    probs = ggml.tensor_at(argsort).src[0] if argsort else None
+    logits = ggml.tensor_at(probs).src[0] if probs else None
+    if not logits or ggml.name_of(logits) != f"ffn_moe_logits-{layer}".encode():
+        return None
+    h_addr = ggml.tensor_at(logits).src[1]
+    if not h_addr:
+        return None
+    h = ggml.tensor_at(h_addr)
+    if h.type != 0 or not h.data:          # GGML_TYPE_F32
+        return None
+    return h
+
+
+def router_input(topk: ggml.GgmlTensor, layer: int) -> np.ndarray | None:
+    """Layer `layer`'s router input for the graph's last token, or None where the graph
+    differs."""
     try:
-        argsort = topk.view_src or topk.src[0]
-        probs = ggml.tensor_at(argsort).src[0] if argsort else None
-        logits = ggml.tensor_at(probs).src[0] if probs else None
-        if not logits or ggml.name_of(logits) != f"ffn_moe_logits-{layer}".encode():
-            return None
-        h_addr = ggml.tensor_at(logits).src[1]
-        if not h_addr:
-            return None
-        h = ggml.tensor_at(h_addr)
-        if h.type != 0 or not h.data:          # GGML_TYPE_F32
+        h = _router_h(topk, layer)
+        if h is None:
             return None
         n_embd, n_tok, row = int(h.ne[0]), int(h.ne[1]), int(h.nb[1])
         addr = h.data + (n_tok - 1) * row
         return np.ctypeslib.as_array((ctypes.c_float * n_embd).from_address(addr)).copy()
     except (ValueError, OSError):
         return None
+
+
+def router_rows(topk: ggml.GgmlTensor, layer: int) -> np.ndarray | None:
+    """Layer `layer`'s router input for every token of the batch, [n_tok, n_embd], or
+    None where the graph differs."""
+    try:
+        h = _router_h(topk, layer)
+        if h is None:
+            return None
+        n_embd, n_tok, row = int(h.ne[0]), int(h.ne[1]), int(h.nb[1])
+        if n_tok < 1 or row < 4 * n_embd or row % 4:
+            return None
+        flat = np.ctypeslib.as_array(
+            (ctypes.c_float * ((n_tok - 1) * row // 4 + n_embd)).from_address(h.data))
+        return np.lib.stride_tricks.as_strided(flat, shape=(n_tok, n_embd),
+                                               strides=(row, 4)).copy()
+    except (ValueError, OSError):
+        return None
+
+
+def batch_guess(router: np.ndarray | None, h: np.ndarray | None, k: int,
+                n_expert: int, n_tok: int) -> np.ndarray:
+    """A prompt batch's guess of the next layer's experts, most used first.
+
+    With the next layer's router `router` [n_expert, n_embd] and this layer's router
+    input for every token `h` [n_tok, n_embd] (n_tok tokens): the union over the tokens of each one's
+    `k` most probable experts, ordered by how many tokens pick them (softmax keeps the
+    order, so the logits' top k are the probabilities'). Without them: every expert
+    when the batch routes to more expert choices than the layer has (a 512-token batch
+    with top-8 of 128 routes to nearly all of them), else nothing."""
+    if router is None or h is None or router.shape[1] != h.shape[1] or not len(h):
+        if n_tok * k >= n_expert:
+            return np.arange(n_expert, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64)
+    logits = h @ router.T                                    # [n_tok, n_expert]
+    kk = min(k, logits.shape[1])
+    top = np.argpartition(-logits, kk - 1, axis=1)[:, :kk]
+    counts = np.bincount(top.ravel(), minlength=n_expert)
+    order = np.argsort(-counts, kind="stable")
+    return order[counts[order] > 0].astype(np.int64)
 
 
 class Predictor:

@@ -86,7 +86,7 @@ from .budget import (
     shape_of,
 )
 from .cache import DEFAULT_POLICY, Admission, ExpertCache, NoCache
-from .predict import Predictor, read_routers, router_input
+from .predict import Predictor, batch_guess, read_routers, router_input, router_rows
 from .layout import ExpertTensor, Layout
 from .memory import (
     AnonBuffer,
@@ -160,6 +160,8 @@ class ExpertStreamer:
         self.spec_gate = float(values.get("spec-gate", 0.0) or 0.0)
         self.overlap = bool(values.get("overlap", False))
         self.fill = bool(values.get("cache-fill", True))
+        self.prefill_ahead = bool(values.get("prefill-ahead", True))
+        self._batch_routers: dict[int, np.ndarray] | None = None   # set: prefill reads ahead
         self._filling: set[tuple[int, int]] = set()    # units a background fill reads
         self._fill_units = 0                             # units the fill queued in all
         self._fill_bytes = 0                             # bytes it has read so far
@@ -286,6 +288,12 @@ class ExpertStreamer:
         if (self.fill and isinstance(self.cache, ExpertCache) and self.budget.mode != "all"
                 and self.budget.bytes >= self._expert_bytes):
             self._start_fill()
+        if (self.prefill_ahead and isinstance(self.cache, ExpertCache)
+                and self.budget.mode != "all" and self.budget.bytes < self._expert_bytes):
+            self._start_prefill_ahead()
+        elif self.prefill_ahead and self.budget.mode != "all" \
+                and self.budget.bytes < self._expert_bytes:
+            self.load_info["prefill_ahead"] = "off: no expert cache"
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
 
     def prompt_needs(self, allocs: ContextAllocs) -> PromptNeeds:
@@ -311,7 +319,9 @@ class ExpertStreamer:
         what only the context will tell (its KV cache and compute buffer): the dense
         weights' copies, the experts at a batch's peak, the edge pages, the margin."""
         lay = self.layout
-        n_ub = min(int(self.values.get("ctx-size") or 4096), PREFILL_BATCH)
+        n_ub = min(int(self.values.get("ctx-size") or 4096),
+                   int(self.values.get("ubatch-size") or PREFILL_BATCH),
+                   int(self.values.get("batch-size") or PREFILL_BATCH))
         units = [lay.unit_bytes(layer) for layer in lay.layers]
         needs = PromptNeeds(n_ub, 0, "", batch_layer_bytes(units, lay.n_expert,
                                                             lay.n_expert_used, n_ub),
@@ -362,6 +372,31 @@ class ExpertStreamer:
         self.queue = self.reader.start_queue()
         self.load_info["predictor"] = (f"router, {len(routers)} of {n_layer} layers"
                                        if routers else "previous token")
+
+    def _start_prefill_ahead(self) -> None:
+        """A prompt batch reads layer l+1's experts while layer l computes (see
+        `_prefill_ahead`): the lanes on the queue, the next routers for the guess."""
+        assert self.reader is not None
+        lay = self.layout
+        units = [lay.unit_bytes(layer) for layer in lay.layers]
+        one = batch_layer_bytes(units, lay.n_expert, lay.n_expert_used, self.n_ubatch or 1)
+        if self.budget.bytes < 2 * one:
+            # the layer computing holds its set; the next one's would have no room
+            self.load_info["prefill_ahead"] = (
+                f"off: the cache ({self.budget.bytes / MIB:.0f} MiB) holds fewer than two "
+                f"layers' experts of a prompt batch ({one / MIB:.0f} MiB each)")
+            return
+        if self.queue is None:
+            self.queue = self.reader.start_queue()
+        if self._spec.size == 0:
+            self._spec = np.zeros((self.layout.n_layer, self.layout.n_expert), dtype=bool)
+        routers = self.predictor.routers if self.predictor is not None else read_routers(
+            self.layout)
+        self._batch_routers = routers
+        self.load_info["prefill_ahead"] = (
+            f"the next layer's experts, guessed by its router ({len(routers)} of "
+            f"{self.layout.n_layer} layers)" if routers else
+            "the next layer's experts (every one, when a batch routes to that many)")
 
     def _settle_file_pages(self, fd: int) -> None:
         """Drop the expert pages llama.cpp's load brought in; pin the dense ones if asked."""
@@ -575,6 +610,8 @@ class ExpertStreamer:
         if self.record_routing and n == 1:
             self._route_row[layer] = ids[0]
         self.ensure(layer, np.unique(ids))
+        if self._batch_routers is not None and n > 1:
+            self._prefill_ahead(layer, node, n)
         if self.predictor is not None and n == 1:
             self.predictor.last[layer] = ids[0].astype(np.int64)
             self._read_ahead(layer, router_input(ggml.tensor_at(node), layer))
@@ -674,35 +711,12 @@ class ExpertStreamer:
     def _read_ahead(self, layer: int, h: np.ndarray | None) -> None:
         """Guess the next layers' experts and queue reads of those the cache lacks."""
         assert self.predictor is not None and self.queue is not None
-        assert isinstance(self.cache, ExpertCache)
         t0 = time.perf_counter()
         c = self._turn if self._in_prefill else self._token
         groups = []
         for j, guess in self.predictor.guesses(layer, h):
             self._guess[j] = guess
-            todo = [e for e in guess.tolist() if (j, e) not in self._inflight
-                    and (j, e) not in self._pending_out]
-            if not todo:
-                continue
-            adm = self.cache.admit_spec(j, np.array(todo, dtype=np.int64))
-            spare = self._victim_pages(adm.victims)
-            self._note_victims(adm.victims, c)
-            for cc in (c, self._total):
-                cc.evictions += len(adm.victims)
-            for e in adm.misses.tolist():
-                reads = self._reads_for(j, np.array([e]), spare)
-                g = self.queue.submit(reads, 1 + j - layer)
-                self._inflight[(j, e)] = g
-                self.cache.pinned[j, e] = True
-                self._spec[j, e] = True
-                for r in reads:
-                    for src, _, _ in r.moves:
-                        if src != FRESH:
-                            self._pending_out[self._unit_at(src)] = g
-                groups.append(g)
-            for length, pages in spare.items():
-                for buf, addr in pages:
-                    buf.release_at(addr, length)
+            groups += self._queue_guess(j, guess, 1 + j - layer, c)
         for cc in (c, self._total):
             cc.mgmt_s += time.perf_counter() - t0
         if not self.overlap and groups:
@@ -711,6 +725,58 @@ class ExpertStreamer:
             for cc in (c, self._total):
                 cc.io_s += time.perf_counter() - t1
             self._sweep()
+
+    def _prefill_ahead(self, layer: int, node: int, n: int) -> None:
+        """A prompt batch's layer `layer` has its experts: queue the reads of the next
+        layer's, guessed for the whole batch (`predict.batch_guess`), and return, so
+        that they are read while this layer computes; the next layer's routing waits
+        only for what is still in flight. Room is made without touching this layer's
+        experts (the cache's `admit_spec`); what does not fit is read on demand."""
+        assert self._batch_routers is not None and self.queue is not None
+        nxt = next((j for j in self._layer_ids if j > layer), None)
+        if nxt is None:
+            return
+        t0 = time.perf_counter()
+        c = self._turn if self._in_prefill else self._token
+        router = self._batch_routers.get(nxt)
+        h = router_rows(ggml.tensor_at(node), layer) if router is not None else None
+        guess = batch_guess(router, h, self.layout.n_expert_used, self.layout.n_expert, n)
+        if len(guess):
+            self._guess[nxt] = guess
+            self._queue_guess(nxt, guess, 1, c)
+        for cc in (c, self._total):
+            cc.mgmt_s += time.perf_counter() - t0
+
+    def _queue_guess(self, j: int, guess: np.ndarray, prio: int,
+                     c: _Counters) -> list[ReadGroup]:
+        """Admit layer `j`'s guessed experts the cache lacks (as far as room can be made)
+        and queue one read group per expert at `prio`, pinned until read."""
+        assert self.queue is not None and isinstance(self.cache, ExpertCache)
+        todo = [e for e in guess.tolist() if (j, e) not in self._inflight
+                and (j, e) not in self._pending_out]
+        if not todo:
+            return []
+        groups = []
+        adm = self.cache.admit_spec(j, np.array(todo, dtype=np.int64))
+        spare = self._victim_pages(adm.victims)
+        self._note_victims(adm.victims, c)
+        for cc in (c, self._total):
+            cc.evictions += len(adm.victims)
+        for e in adm.misses.tolist():
+            reads = self._reads_for(j, np.array([e]), spare)
+            g = self.queue.submit(reads, prio)
+            self._inflight[(j, e)] = g
+            self.cache.pinned[j, e] = True
+            self._spec[j, e] = True
+            for r in reads:
+                for src, _, _ in r.moves:
+                    if src != FRESH:
+                        self._pending_out[self._unit_at(src)] = g
+            groups.append(g)
+        for length, pages in spare.items():
+            for buf, addr in pages:
+                buf.release_at(addr, length)
+        return groups
 
     def _unit_at(self, addr: int) -> tuple[int, int]:
         """The (layer, expert) whose interior pages start at `addr`."""
@@ -854,7 +920,7 @@ class ExpertStreamer:
         }
 
     def _spec_figures(self, c: _Counters) -> dict[str, Any]:
-        if self.predictor is None:
+        if self.predictor is None and self._batch_routers is None:
             return {}
         return {
             "spec_read_mib": round(c.spec_bytes / MIB, 4),
@@ -873,6 +939,9 @@ class ExpertStreamer:
             "cache_hit_pct": self._hit_pct(),
             "prefill_read_mib": round(self._turn.read_bytes / MIB, 3),
             "prefill_io_s": round(self._turn.io_s, 4),
+            "prefill_ahead": self._batch_routers is not None,
+            "prefill_ahead_mib": round(self._turn.spec_bytes / MIB, 3),
+            "prefill_stall_s": round(self._turn.stall_s, 4),
             "overlap": self.queue is not None and self.overlap,
             "prefetch": self.prefetch if self.predictor is not None else 0,
             "spec_gate": self.spec_gate,
