@@ -105,6 +105,14 @@ class Server:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return json.loads(r.read())
 
+    def doing(self) -> str:
+        """What the server says it is doing: its state, the turn running, turns waiting."""
+        try:
+            info = self.get_json("/api/info")
+        except (OSError, ValueError) as e:
+            return f"no answer from /api/info ({e!r})"
+        return json.dumps({k: info.get(k) for k in ("state", "generating", "waiting")})
+
     def sample(self) -> dict[str, Any]:
         pid = self.proc.pid
         status = Path(f"/proc/{pid}/status").read_text()
@@ -148,6 +156,22 @@ class Tally:
         self.lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()
         self.failures: list[str] = []
+        self.seconds: dict[str, list[float]] = collections.defaultdict(list)
+
+    def took(self, server: str, action: str, seconds: float) -> None:
+        with self.lock:
+            self.seconds[f"{server} {action}"].append(seconds)
+
+    def latency(self) -> dict[str, dict[str, float]]:
+        """Per server and action: how many, the median, the 99th percentile, the slowest."""
+        out = {}
+        with self.lock:
+            for key, xs in sorted(self.seconds.items()):
+                xs = sorted(xs)
+                out[key] = {"n": len(xs), "p50_s": round(xs[len(xs) // 2], 3),
+                            "p99_s": round(xs[min(len(xs) - 1, int(len(xs) * 0.99))], 3),
+                            "max_s": round(xs[-1], 3)}
+        return out
 
     def add(self, server: str, action: str, outcome: str | int, detail: str = "") -> None:
         with self.lock:
@@ -195,19 +219,28 @@ class Client(threading.Thread):
         return actions
 
     def attempt(self, fn: Any) -> None:
-        """Run one action; what goes wrong is counted, never raised."""
+        """Run one action; what goes wrong is counted, never raised. A client timeout
+        also records what the server was doing then (its turn and the turns waiting)."""
         name = fn.__name__
+        t0 = time.monotonic()
         try:
             fn()
+        except (openai.APITimeoutError, anthropic.APITimeoutError, TimeoutError) as e:
+            self.tally.add(self.srv.name, name, "connection",
+                           f"{e!r} after {time.monotonic() - t0:.1f} s; the server then: "
+                           f"{self.srv.doing()}")
         except (openai.APIConnectionError, anthropic.APIConnectionError,
-                ConnectionError, socket.timeout, urllib.error.URLError) as e:
-            self.tally.add(self.srv.name, name, "connection", repr(e))
+                ConnectionError, urllib.error.URLError) as e:
+            late = isinstance(getattr(e, "reason", None), TimeoutError)   # urllib's timeout
+            self.tally.add(self.srv.name, name, "connection",
+                           repr(e) + (f"; the server then: {self.srv.doing()}" if late else ""))
         except (openai.APIStatusError, anthropic.APIStatusError) as e:
             self.tally.add(self.srv.name, name, e.status_code, str(e))
         except (openai.APIError, anthropic.APIError) as e:     # an error chunk mid-stream
             self.tally.add(self.srv.name, name, "stream_error", str(e))
         except Exception as e:  # noqa: BLE001 - a client's own fault is counted, not fatal
             self.tally.add(self.srv.name, name, "client_error", repr(e))
+        self.tally.took(self.srv.name, name, time.monotonic() - t0)
 
     def first_pass(self) -> None:
         """Every action once, in the calling thread, before any client thread starts.
@@ -525,9 +558,12 @@ def main(argv: list[str] | None = None) -> int:
               "start": start, "baseline": baseline, "final": final,
               "rss_ratio": {s.name: round(final[s.name]["rss_mib"] /
                                           baseline[s.name]["rss_mib"], 4) for s in servers},
-              "samples": samples, "problems": problems}
+              "latency": tally.latency(), "samples": samples, "problems": problems}
     print("requests by status:", json.dumps(statuses))
     print("actions:", json.dumps(actions))
+    slow = sorted(report["latency"].items(), key=lambda kv: -kv[1]["max_s"])[:8]
+    print("slowest actions:", "; ".join(f"{k} max {v['max_s']} s (p99 {v['p99_s']}, n {v['n']})"
+                                        for k, v in slow))
     for srv in servers:
         print(f"{srv.name}: RSS {baseline[srv.name]['rss_mib']} -> {final[srv.name]['rss_mib']}"
               f" MiB (ratio {report['rss_ratio'][srv.name]}), fds {baseline[srv.name]['fds']}"
