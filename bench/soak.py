@@ -58,6 +58,9 @@ from bmoe.modelmaker.projector import make_vision_pair  # noqa: E402
 MOE = dict(n_layer=4, n_embd=128, n_expert=8, n_expert_used=4, n_ff_exp=64,
            residual_scale=0.3)
 SAMPLE_S = 10.0
+# Every client, SDK or raw HTTP, waits this long for an answer (a request may wait on the
+# turn line behind other turns: the streamed server serves one at a time).
+CLIENT_TIMEOUT_S = 120.0
 RSS_GROWTH = 0.05
 PROMPTS = ["Hello there! What is the weather like in Paris today?",
            "Write a short poem about the sea.", "List three colours.",
@@ -184,7 +187,7 @@ class Tally:
 
 
 def _raw(srv: Server, method: str, path: str, body: Any = None,
-         timeout: float = 60) -> tuple[int, Any]:
+         timeout: float = CLIENT_TIMEOUT_S) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(srv.url + path, data=data, method=method,
                                  headers={"Content-Type": "application/json"}
@@ -268,7 +271,7 @@ class Client(threading.Thread):
 
     def _oa(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.srv.url + "/v1", api_key="soak", max_retries=0,
-                             timeout=120)
+                             timeout=CLIENT_TIMEOUT_S)
 
     def chat_stream(self) -> None:
         with self._oa() as c:
@@ -310,7 +313,7 @@ class Client(threading.Thread):
 
     def messages_stream(self) -> None:
         with anthropic.Anthropic(base_url=self.srv.url, api_key="soak", max_retries=0,
-                                 timeout=120) as c:
+                                 timeout=CLIENT_TIMEOUT_S) as c:
             with c.messages.stream(model="m", max_tokens=self.rng.randint(4, 40),
                                    messages=[{"role": "user", "content": self._prompt()}]) as s:
                 for _ in s.text_stream:
