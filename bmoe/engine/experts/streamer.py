@@ -288,12 +288,9 @@ class ExpertStreamer:
         if (self.fill and isinstance(self.cache, ExpertCache) and self.budget.mode != "all"
                 and self.budget.bytes >= self._expert_bytes):
             self._start_fill()
-        if (self.prefill_ahead and isinstance(self.cache, ExpertCache)
-                and self.budget.mode != "all" and self.budget.bytes < self._expert_bytes):
+        if (self.prefill_ahead and self.budget.mode != "all"
+                and self.budget.bytes < self._expert_bytes):
             self._start_prefill_ahead()
-        elif self.prefill_ahead and self.budget.mode != "all" \
-                and self.budget.bytes < self._expert_bytes:
-            self.load_info["prefill_ahead"] = "off: no expert cache"
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
 
     def prompt_needs(self, allocs: ContextAllocs) -> PromptNeeds:
@@ -308,11 +305,17 @@ class ExpertStreamer:
             header = read_file_header(self.path)
             compute = estimate_compute(shape_of(header.kv, header.tensors), n_ub, self.n_ctx)
             source = "estimate"
-        units = [lay.unit_bytes(layer) for layer in lay.layers]
-        layer = batch_layer_bytes(units, lay.n_expert, lay.n_expert_used, n_ub)
-        layer += self.prefetch * lay.n_expert_used * max(units, default=0)
+        layer = self._batch_layer_bytes(n_ub)
+        layer += self.prefetch * lay.n_expert_used * max(
+            (lay.unit_bytes(i) for i in lay.layers), default=0)
         edges = edge_bytes((t.offset, t.slice_bytes, t.n_expert) for t in lay.experts)
         return PromptNeeds(n_ub, compute, source, layer, edges, RUNTIME_MARGIN, allocs.kv)
+
+    def _batch_layer_bytes(self, n_ub: int) -> int:
+        """The experts a batch of `n_ub` tokens can route one layer to (the largest layer)."""
+        lay = self.layout
+        return batch_layer_bytes([lay.unit_bytes(i) for i in lay.layers], lay.n_expert,
+                                 lay.n_expert_used, n_ub)
 
     def _check_before_load(self) -> None:
         """Refuse, before llama.cpp reads anything, a budget that cannot fit even without
@@ -322,9 +325,7 @@ class ExpertStreamer:
         n_ub = min(int(self.values.get("ctx-size") or 4096),
                    int(self.values.get("ubatch-size") or PREFILL_BATCH),
                    int(self.values.get("batch-size") or PREFILL_BATCH))
-        units = [lay.unit_bytes(layer) for layer in lay.layers]
-        needs = PromptNeeds(n_ub, 0, "", batch_layer_bytes(units, lay.n_expert,
-                                                            lay.n_expert_used, n_ub),
+        needs = PromptNeeds(n_ub, 0, "", self._batch_layer_bytes(n_ub),
                             edge_bytes((t.offset, t.slice_bytes, t.n_expert)
                                        for t in lay.experts), RUNTIME_MARGIN)
         copies = lay.dense_bytes if self.dense_mode == "anon" else 0
@@ -377,9 +378,10 @@ class ExpertStreamer:
         """A prompt batch reads layer l+1's experts while layer l computes (see
         `_prefill_ahead`): the lanes on the queue, the next routers for the guess."""
         assert self.reader is not None
-        lay = self.layout
-        units = [lay.unit_bytes(layer) for layer in lay.layers]
-        one = batch_layer_bytes(units, lay.n_expert, lay.n_expert_used, self.n_ubatch or 1)
+        if not isinstance(self.cache, ExpertCache):
+            self.load_info["prefill_ahead"] = "off: no expert cache"
+            return
+        one = self._batch_layer_bytes(self.n_ubatch or 1)
         if self.budget.bytes < 2 * one:
             # the layer computing holds its set; the next one's would have no room
             self.load_info["prefill_ahead"] = (
