@@ -180,12 +180,15 @@ def test_kill_9_during_100_settings_writes(tmp_path: Path) -> None:
         for line in child.stdout:
             done = int(line)
             if done >= target:
-                child.kill()                    # SIGKILL, in the middle of write done + 1
+                child.kill()                    # SIGKILL, somewhere after write `done`
                 break
         child.wait()
         child.stdout.close()
+        # The writer runs ahead of this reader: lines still in the pipe are writes that
+        # finished before the kill landed, so the file holds write `done` or a later one,
+        # always whole (seed and temp from the same write), never an earlier one.
         saved = json.loads((data / "settings.json").read_text())["values"]
-        assert saved["seed"] in (done, done + 1) and saved["temp"] == saved["seed"] / 100
+        assert done <= saved["seed"] <= 100 and saved["temp"] == saved["seed"] / 100
 
 
 def test_kill_9_server_during_settings_puts(tmp_path: Path) -> None:
