@@ -62,6 +62,11 @@ SAMPLE_S = 10.0
 # turn line behind other turns: the streamed server serves one at a time).
 CLIENT_TIMEOUT_S = 120.0
 RSS_GROWTH = 0.05
+# The servers' n-predict: an answer whose request sets no limit (the agent's rounds) ends
+# here. Left at 0 (up to the context), an agent round on the tiny model's random weights
+# wrote 4,096 tokens, 29 s on the streamed server, and the turns queued behind it are what
+# timed the 30-minute runs' clients out; every other action sets its own max_tokens.
+N_PREDICT = 512
 PROMPTS = ["Hello there! What is the weather like in Paris today?",
            "Write a short poem about the sea.", "List three colours.",
            "Explain what a kettle does, in one sentence."]
@@ -76,7 +81,7 @@ class Server:
         self.vision = vision
         cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data),
                "--no-auto", "--threads", "1", "--metrics", "-m", str(model), "-c", "4096",
-               *args]
+               "--n-predict", str(N_PREDICT), *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.log = open(data.parent / f"{name}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
