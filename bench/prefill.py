@@ -29,9 +29,10 @@ Then the agent's second request (`--agent-prefix`, default the largest prompt si
 server as the plan sets it up under the cap (`--agent-mode` to choose another), a prompt
 of that many tokens, then the same prefix plus `--agent-new` new tokens. Its first
 token should come within the new tokens' prefill time plus 0.5 s (prefix reuse: nothing
-re-read that is still cached): the bench prints
-the time to the first token, the new tokens' prefill time at the first request's rate,
-and whether it met the bound.
+re-read that is still cached). The new tokens' prefill time is measured: the same two
+requests on the resident server (no cap, every weight in memory). The bench prints the
+time to the first token, the expert bytes it read (and read ahead), the time its layers
+waited for reads, the bound, and whether it met it.
 
 Needs root (cgroups, drop_caches). Deletes the model file at the end unless --keep.
 """
@@ -68,7 +69,9 @@ MODES = {
     "plan": ([], True),
     "mmap": (["--no-auto", "--no-moe-stream"], True),
 }
-READ_METRIC = re.compile(rb"^bmoe:expert_read_bytes_total (\S+)$", re.M)
+COUNTERS = {"read_bytes": "bmoe:expert_read_bytes_total",
+            "ahead_bytes": "bmoe:expert_read_ahead_bytes_total",
+            "wait_s": "bmoe:expert_read_wait_seconds_total"}
 
 
 def expert_bytes(model: Path) -> int:
@@ -77,10 +80,16 @@ def expert_bytes(model: Path) -> int:
     return int(p.expert_bytes)
 
 
-def read_bytes(url: str) -> float:
+def counters(url: str) -> dict[str, float]:
+    """The streamer's totals since load: expert bytes read, of them read ahead, and the
+    seconds the layers waited for reads (zeros on a server that does not stream)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        m = READ_METRIC.search(r.read())
-    return float(m.group(1)) if m else 0.0
+        text = r.read()
+    out = {}
+    for key, name in COUNTERS.items():
+        m = re.search(rb"^" + re.escape(name.encode()) + rb" (\S+)$", text, re.M)
+        out[key] = float(m.group(1)) if m else 0.0
+    return out
 
 
 class Server:
@@ -106,11 +115,13 @@ class Server:
         if state.get("state") != "ready":
             self.close()
             raise RuntimeError(f"the model did not load: {str(state)[:300]}")
-        context = ((state.get("model") or {}).get("context") or {})
-        self.n_ubatch = int(context.get("n_ubatch") or 0)
+        info = state.get("model") or {}
+        self.n_ubatch = int((info.get("context") or {}).get("n_ubatch") or 0)
+        notes = info.get("streaming_notes") or {}
+        self.ahead = str(notes.get("prefill_ahead", "")) if info.get("streaming") else ""
 
     def prompt(self, ids: list[int], timeout: float, cache: bool = False) -> dict[str, Any]:
-        before = read_bytes(self.url)
+        before = counters(self.url)
         t0 = time.monotonic()
         status, reply = _post(self.url + "/completion",
                               {"prompt": ids, "n_predict": 1, "temperature": 0,
@@ -122,7 +133,7 @@ class Server:
         return {"outcome": "answered", "wall_s": round(wall, 3),
                 "n_prompt": t.get("prompt_n"), "prefill_s": t.get("prompt_ms", 0.0) / 1e3,
                 "tok_s": t.get("prompt_per_second", 0.0), "cached": reply.get("tokens_cached"),
-                "read_bytes": read_bytes(self.url) - before}
+                **{k: v - before[k] for k, v in counters(self.url).items()}}
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -148,11 +159,11 @@ def run_mode(mode: str, model: Path, ids: list[int], args: argparse.Namespace) -
         try:
             server = Server(model, flags, cap, args)
         except RuntimeError as e:
-            res = {"outcome": "failed", "why": str(e)}
+            res: dict[str, Any] = {"outcome": "failed", "why": str(e)}
         else:
             try:
                 res = server.prompt(ids, args.run_timeout)
-                res["n_ubatch"] = server.n_ubatch
+                res.update(n_ubatch=server.n_ubatch, prefill_ahead=server.ahead)
             finally:
                 server.close()
         if cap is not None and cap.oom_kills():
@@ -164,33 +175,58 @@ def run_mode(mode: str, model: Path, ids: list[int], args: argparse.Namespace) -
             cap.remove()
 
 
+def two_requests(model: Path, flags: list[str], cap: MemoryCap | None, ids: list[int],
+                 new: list[int], args: argparse.Namespace
+                 ) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The prefix, then the prefix plus the new tokens, on one fresh server."""
+    drop_caches()
+    if cap is None:
+        warm_page_cache(model)
+    server = Server(model, flags, cap, args)
+    try:
+        first = server.prompt(ids, args.run_timeout, cache=True)
+        second = server.prompt(ids + new, args.run_timeout, cache=True)
+    finally:
+        server.close()
+    return first, second, server.ahead
+
+
 def agent_second_request(model: Path, ids: list[int], new: list[int],
                          args: argparse.Namespace) -> dict[str, Any]:
+    """The new tokens' prefill is measured, not derived: the same two requests on the
+    resident server (no cap, the file in the page cache) give what the new tokens cost
+    at the end of that context with every weight in memory; the streamed server's
+    second request must answer within it + 0.5 s. (The first prompt's average rate,
+    printed beside it, understates it: the new tokens attend over the whole prefix.)"""
     limit = int(model.stat().st_size * args.cap_frac)
+    try:
+        base_first, base_second, _ = two_requests(model, MODES["resident"][0], None, ids,
+                                                  new, args)
+    except RuntimeError as e:
+        return {"outcome": "failed", "why": f"resident: {e}"}
     cap = MemoryCap(f"bmoe-prefill-agent-{os.getpid()}", limit)
     try:
-        drop_caches()
         try:
-            server = Server(model, MODES[args.agent_mode][0], cap, args)
+            first, second, ahead = two_requests(model, MODES[args.agent_mode][0], cap, ids,
+                                                new, args)
         except RuntimeError as e:
             return {"outcome": "failed", "why": str(e)}
-        try:
-            first = server.prompt(ids, args.run_timeout, cache=True)
-            second = server.prompt(ids + new, args.run_timeout, cache=True)
-        finally:
-            server.close()
-        if first["outcome"] != "answered" or second["outcome"] != "answered":
-            return {"outcome": "failed", "first": first, "second": second}
-        rate = first["tok_s"] or 1.0
-        new_s = len(new) / rate
-        return {"outcome": "answered", "server": args.agent_mode, "prefix": len(ids),
-                "new": len(new),
-                "first_s": first["wall_s"], "second_s": second["wall_s"],
-                "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
-                "new_prefill_s": round(new_s, 3), "bound_s": round(new_s + 0.5, 3),
-                "met": second["wall_s"] <= new_s + 0.5}
     finally:
         cap.remove()
+    runs = (base_first, base_second, first, second)
+    if any(r["outcome"] != "answered" for r in runs):
+        return {"outcome": "failed", "runs": runs}
+    new_s = base_second["wall_s"]
+    avg_s = len(new) / (first["tok_s"] or 1.0)
+    return {"outcome": "answered", "server": args.agent_mode, "prefix": len(ids),
+            "new": len(new), "prefill_ahead": ahead,
+            "first_s": first["wall_s"], "second_s": second["wall_s"],
+            "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
+            "second_ahead_mib": second["ahead_bytes"] / MIB,
+            "second_wait_s": round(second["wait_s"], 3),
+            "resident_first_s": base_first["wall_s"], "new_prefill_s": new_s,
+            "avg_rate_s": round(avg_s, 3), "bound_s": round(new_s + 0.5, 3),
+            "met": second["wall_s"] <= new_s + 0.5}
 
 
 def main(argv: list[str]) -> int:
@@ -232,7 +268,10 @@ def main(argv: list[str]) -> int:
                 results.append(r)
                 if r["outcome"] == "answered":
                     read = (f"experts read {r['read_bytes'] / MIB:8.0f} MiB = {passes:5.2f} "
-                            "passes" if mode in ("stream", "plan") else
+                            f"passes ({r['ahead_bytes'] / MIB:.0f} MiB ahead), layers "
+                            f"waited {r['wait_s']:.1f} s; read-ahead: "
+                            f"{r.get('prefill_ahead') or 'off'}"
+                            if mode in ("stream", "plan") else
                             "experts read by the kernel (not counted)")
                     print(f"{mode:9s} {n:6d} tokens: {r['tok_s']:8.1f} tok/s "
                           f"({r['prefill_s']:.1f} s, ubatch {r.get('n_ubatch')}), {read}, "
@@ -248,12 +287,15 @@ def main(argv: list[str]) -> int:
                                      all_ids[prefix:prefix + args.agent_new], args)
             results.append({"mode": "agent", **a})
             if a["outcome"] == "answered":
-                print(f"agent: {a['prefix']}-token prefix in {a['first_s']:.1f} s; the same "
-                      f"plus {a['new']} new tokens answered its first token in "
-                      f"{a['second_s']:.2f} s (context {a['second_cached']} tokens, "
-                      f"{a['second_read_mib']:.0f} MiB read) against the bound "
-                      f"{a['bound_s']:.2f} s (the new tokens' prefill {a['new_prefill_s']:.2f}"
-                      f" s + 0.5 s): {'met' if a['met'] else 'MISSED'}", flush=True)
+                print(f"agent: {a['prefix']}-token prefix in {a['first_s']:.1f} s "
+                      f"(resident {a['resident_first_s']:.1f} s); the same plus {a['new']} "
+                      f"new tokens answered its first token in {a['second_s']:.2f} s (context "
+                      f"{a['second_cached']} tokens, {a['second_read_mib']:.0f} MiB read, "
+                      f"{a['second_ahead_mib']:.0f} MiB of it ahead, layers waited "
+                      f"{a['second_wait_s']:.2f} s) against the bound {a['bound_s']:.2f} s "
+                      f"(the new tokens' prefill on the resident server {a['new_prefill_s']:.2f}"
+                      f" s + 0.5 s; at the first prompt's average rate it would be "
+                      f"{a['avg_rate_s']:.2f} s): {'met' if a['met'] else 'MISSED'}", flush=True)
             else:
                 print(f"agent: {a['outcome']}: {json.dumps(a)[:400]}", flush=True)
             if args.json:

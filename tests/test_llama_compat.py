@@ -388,7 +388,8 @@ def test_metrics_parse_and_move_by_one_request(srv: ServerProcess) -> None:
                  "llamacpp:requests_deferred", "llamacpp:kv_cache_tokens",
                  "bmoe:expert_cache_hits_total", "bmoe:expert_cache_misses_total",
                  "bmoe:expert_read_bytes_total", "bmoe:expert_cache_resident_bytes",
-                 "bmoe:expert_cache_budget_bytes", "bmoe:expert_read_wait_seconds_total"):
+                 "bmoe:expert_cache_budget_bytes", "bmoe:expert_read_wait_seconds_total",
+                 "bmoe:expert_read_ahead_bytes_total"):
         assert name in before, name
     body = complete(srv, prompt="A fresh prompt for the metrics test", n_predict=7,
                     cache_prompt=False, temperature=0)

@@ -184,6 +184,9 @@ def test_under_a_cap_the_plan_streams_and_the_load_succeeds(
         info = srv.wait_state("ready", "error", timeout=120)
         assert info["state"] == "ready", info
         assert info["model"]["streaming"] is True
+        notes = info["model"]["streaming_notes"]      # what the streamer chose, and why
+        assert notes["eval_callback"] and notes["load_reads"], notes
+        assert notes["prefill_ahead"].startswith(("the next layer's", "off: the cache")), notes
         plan = srv.request("GET", "/api/plan")[2]
         assert plan["from_last_load"] is True
         assert plan["regime"] == "experts-stream"

@@ -95,6 +95,7 @@ def test_plan_routes_apply_and_reload(tmp_path: Path, tiny_moe: Path) -> None:
         info = srv.wait_state("ready", "error")
         assert info["state"] == "ready", info
         assert info["model"]["streaming"] is False        # loaded with the plan's values
+        assert info["model"]["streaming_notes"] == {}
     finally:
         srv.stop()
 

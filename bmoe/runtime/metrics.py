@@ -213,8 +213,11 @@ def _expert_metrics(session: Any) -> Iterator[Metric]:
                    s.get("evictions", 0), b)
     yield _counter("expert_cache_rereads", "Evicted experts that were read again.",
                    s.get("rereads", 0), b)
-    yield _counter("expert_read_wait_seconds", "Seconds the decode waited on expert reads.",
-                   s.get("io_s", 0.0), b)
+    yield _counter("expert_read_wait_seconds", "Seconds the model's layers waited on expert "
+                   "reads (prompts and tokens).", s.get("io_s", 0.0), b)
+    yield _counter("expert_read_ahead_bytes", "Bytes of expert weights read ahead of their "
+                   "layer (guessed for a token or a prompt batch), part of expert_read_bytes.",
+                   s.get("spec_bytes", 0), b)
     yield _gauge("expert_cache_resident_bytes", "Bytes of experts held in the cache.",
                  s.get("resident_bytes", 0), b)
     yield _gauge("expert_cache_budget_bytes", "The expert cache's budget in bytes.",

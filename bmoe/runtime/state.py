@@ -311,6 +311,9 @@ class Runtime:
             "n_expert_used": s.n_expert_used, "think_ctl": "template" if s.template else "none",
             "chat_format": s.tool_framing or "none",
             "load_s": round(s.load_s, 3), "streaming": s.streamer is not None,
+            # what the expert streamer chose at load, each with its reason (prompt
+            # read-ahead on or why off, the graph callback, the load's reads)
+            "streaming_notes": dict(getattr(s.streamer, "load_info", None) or {}),
             "overlap": getattr(s.streamer, "queue", None) is not None
             and bool(getattr(s.streamer, "overlap", False)),
             "vision": s.vision is not None,
