@@ -9,7 +9,7 @@
     bmoe-cli -m MODEL --plan [--json]              the plan for this machine, then exit
     bmoe-cli -m MODEL -p PROMPT --auto             plan, run with it, predicted vs measured
 
-The output lines are the telemetry contract (docs: ../shared/spec/telemetry.md):
+The output lines are bmoe's telemetry protocol (docs/decide-events-cli.md):
 `BMOE_LOAD` / `BMOE_PROGRESS` per token, the `=== answer ===` / `=== perf ===` banners
 and the `generation:` / `moe-stream:` / `moe-cache:` lines; in session mode the control
 lines `BMOE_READY`, `BMOE_BEGIN`, `BMOE_DONE`, `BMOE_DECIDE`, `BMOE_ERROR`. Messages
@@ -219,6 +219,8 @@ def perf_lines(s: dict[str, Any], streamer: dict[str, Any] | None) -> str:
 # and a refused command line never need.
 
 def open_session(values: dict[str, Any]) -> Any:
+    # The engine's modules load llama.cpp and numpy: imported where a model runs, so that
+    # --help, --describe-params and make-model start at once (the same below).
     from .engine.experts import streamer_factory
     from .engine.session import Session
     return Session(values["model"], values, streamer_factory)
