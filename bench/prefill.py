@@ -16,6 +16,8 @@ ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
              experts fewer times)
   mmap       --no-auto --no-moe-stream, under the cap (llama.cpp on mmap, the kernel
              evicting pages)
+  resident-1024  resident with a 1,024-token prompt batch (not in the default modes):
+             what the plan's larger batch is worth without streaming
 
 The cap is `--cap-frac` of the file's size (default 0.4), a fresh memory cgroup per run
 (v1 or v2, `bmoe.machine.cgroup.MemoryCap`). Per run: prefill tokens per second (the
@@ -68,6 +70,10 @@ MODES = {
     "stream": (["--no-auto"], True),
     "plan": ([], True),
     "mmap": (["--no-auto", "--no-moe-stream"], True),
+    # resident, no cap, with the prompt batch the plan chooses for streaming here (1,024):
+    # what the larger batch alone is worth, apart from streaming
+    "resident-1024": (["--no-auto", "--no-moe-stream", "--batch-size", "1024",
+                       "--ubatch-size", "1024"], False),
 }
 COUNTERS = {"read_bytes": "bmoe:expert_read_bytes_total",
             "ahead_bytes": "bmoe:expert_read_ahead_bytes_total",
@@ -233,7 +239,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--prompts", default="1024,8192,32768", help="prompt sizes, tokens")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default="resident,stream,plan,mmap")
     p.add_argument("--cap-frac", type=float, default=0.4)
     p.add_argument("--agent-prefix", type=int, default=0,
                    help="the agent's prefix, tokens (default the largest prompt; 0 skips "
@@ -260,7 +266,7 @@ def main(argv: list[str]) -> int:
             base = None
             for mode in args.modes.split(","):
                 r = run_mode(mode, model, all_ids[:n], args)
-                if mode == "resident" and r["outcome"] == "answered":
+                if mode == "resident" and r["outcome"] == "answered":     # the baseline
                     base = r["tok_s"]
                 ratio = (r.get("tok_s", 0) / base) if base and r["outcome"] == "answered" else 0
                 passes = r.get("read_bytes", 0) / every if every else 0.0
