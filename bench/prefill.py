@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +52,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -90,12 +91,10 @@ def counters(url: str) -> dict[str, float]:
     """The streamer's totals since load: expert bytes read, of them read ahead, and the
     seconds the layers waited for reads (zeros on a server that does not stream)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read()
-    out = {}
-    for key, name in COUNTERS.items():
-        m = re.search(rb"^" + re.escape(name.encode()) + rb" (\S+)$", text, re.M)
-        out[key] = float(m.group(1)) if m else 0.0
-    return out
+        text = r.read().decode()
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples}
+    return {key: float(samples.get(name, 0.0)) for key, name in COUNTERS.items()}
 
 
 class Server:
