@@ -136,11 +136,16 @@ BENCH_DIR = os.path.expanduser("~/.cache/bmoe-bench")   # where the benchmark mo
 # 12), written by the model maker (qwen3moe layout) and quantized by llama.cpp. The model
 # maker has no gpt-oss architecture: its shape is gpt-oss-120b's experts, attention and
 # embedding widths in a qwen3moe file, so the expert slices read are the real model's.
+# Qwen3 goes through llama.cpp's whole-file quantizer (its Q4_K_M mix: ffn_down in Q6_K on
+# some layers); gpt-oss's experts are quantized to MXFP4 by llama.cpp's row quantizer as
+# they are written (`expert_dtype`: byte-identical to what the file quantizer writes for
+# MXFP4_MOE, without the 38 GiB Q8_0 source a 12-layer slice would need first).
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": {"embd": 2048, "experts": 128, "top_k": 8, "ff_exp": 768, "n_head": 32,
                       "n_head_kv": 4, "head_dim": 128, "quant": "Q4_K_M", "dtype": "f16"},
     "gpt-oss-120b": {"embd": 2880, "experts": 128, "top_k": 4, "ff_exp": 2880, "n_head": 64,
-                     "n_head_kv": 8, "head_dim": 64, "quant": "MXFP4_MOE", "dtype": "q8_0"},
+                     "n_head_kv": 8, "head_dim": 64, "quant": "MXFP4_MOE", "dtype": "q8_0",
+                     "expert_dtype": "mxfp4"},
 }
 
 
@@ -168,6 +173,7 @@ def apply_shape(args: argparse.Namespace) -> None:
         args.layers = 12 if shape else 24
     args.quant = shape["quant"] if shape else ""
     args.n_head, args.n_head_kv, args.head_dim = 8, 4, 128
+    args.expert_dtype = ""
     if shape:
         for k, v in shape.items():
             if k != "quant":
@@ -208,8 +214,18 @@ def make_shape_model(args: argparse.Namespace) -> Path:
         print(f"model: reusing {path}", flush=True)
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    src = path.with_suffix(f".{args.dtype}.gguf")
     t0 = time.monotonic()
+    if args.expert_dtype:      # quantized as it is written: no source file
+        make_model(path, n_layer=args.layers, n_expert=args.experts,
+                   n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff_exp,
+                   n_ff=args.ff_exp, n_head=args.n_head, n_head_kv=args.n_head_kv,
+                   head_dim=args.head_dim, dtype=args.dtype, expert_dtype=args.expert_dtype,
+                   router_skew=args.router_skew, context_mix=args.context_mix, seed=7)
+        print(f"model: wrote {path} ({path.stat().st_size / 2**30:.2f} GiB, experts in "
+              f"{args.expert_dtype} by llama.cpp's row quantizer) in "
+              f"{time.monotonic() - t0:.0f} s", flush=True)
+        return path
+    src = path.with_suffix(f".{args.dtype}.gguf")
     try:
         make_model(src, n_layer=args.layers, n_expert=args.experts,
                    n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff_exp,

@@ -173,6 +173,46 @@ def test_other_archs_keep_their_spec_record() -> None:
     record = writer._spec_record(mm.ModelSpec())
     assert not set(mm.MLA_FIELDS) & set(record)
     assert set(mm.MLA_FIELDS) <= set(writer._spec_record(mm.ModelSpec(arch="deepseek2")))
+    assert "expert_dtype" not in record
+    assert writer._spec_record(mm.ModelSpec(expert_dtype="mxfp4"))["expert_dtype"] == "mxfp4"
+
+
+def test_mxfp4_experts_are_what_llama_cpp_quantizer_writes(tmp_path: Path) -> None:
+    """Experts written in MXFP4 as they go are byte for byte what llama.cpp's quantizer
+    makes of the same model in F32 (MXFP4_MOE), and the file says so: the same file type,
+    and every other matrix in Q8_0 as the quantizer leaves it."""
+    from bmoe.modelmaker.quantize import quantize
+
+    shape = dict(n_layer=2, n_expert=8, n_expert_used=2, n_embd=64, n_ff_exp=96, seed=5)
+    direct = mm.make_model(tmp_path / "direct.gguf", dtype="q8_0", expert_dtype="mxfp4", **shape)
+    source = mm.make_model(tmp_path / "f32.gguf", dtype="f32", **shape)
+    quantized = quantize(source, tmp_path / "quantized.gguf", "MXFP4_MOE")
+    kv, ours = fields(direct)
+    kv_q, theirs = fields(quantized)
+    assert kv["general.file_type"] == kv_q["general.file_type"] == 38   # MOSTLY_MXFP4_MOE
+    experts = [n for n in ours if "_exps." in n]
+    assert len(experts) == 6
+    for name, t in ours.items():
+        assert t.tensor_type == theirs[name].tensor_type, name
+        if name in experts:
+            assert t.tensor_type == T.MXFP4
+            assert np.array_equal(np.asarray(t.data), np.asarray(theirs[name].data)), name
+    assert ours["blk.1.attn_q.weight"].tensor_type == T.Q8_0
+
+
+def test_row_quantizer_refuses_what_ggml_cannot_take() -> None:
+    from bmoe.modelmaker.quantize import QuantizeError, quantize_rows
+
+    rows = np.zeros((4, 48), dtype=np.float32)
+    with pytest.raises(QuantizeError, match="multiple of 32"):
+        quantize_rows(rows, T.MXFP4)
+    with pytest.raises(QuantizeError, match="does not write IQ2_XXS"):
+        quantize_rows(np.zeros((4, 256), dtype=np.float32), T.IQ2_XXS)   # needs an imatrix
+    with pytest.raises(QuantizeError, match="2-D"):
+        quantize_rows(np.zeros(64, dtype=np.float32), T.MXFP4)
+    out = quantize_rows(np.ones((3, 64), dtype=np.float32), T.MXFP4)
+    assert out.shape == (3, 2 * 17)
+    assert np.allclose(gguf.quants.dequantize(out, T.MXFP4), 1.0)
 
 
 @pytest.mark.parametrize(("key", "dtype", "ftype"), [("moe-f16", T.F16, 1), ("moe-q8", T.Q8_0, 7)])
@@ -221,6 +261,12 @@ def test_spec_is_validated(tmp_path: Path) -> None:
         mm.ModelSpec(arch=ds2, n_embd=128, head_dim=64, context_mix=1.0)
     with pytest.raises(ValueError, match=r"q8_0 needs kv_lora_rank \(40\)"):
         mm.ModelSpec(arch=ds2, dtype="q8_0", kv_lora_rank=40)
+    with pytest.raises(ValueError, match="expert_dtype 'q2_k'"):
+        mm.ModelSpec(expert_dtype="q2_k")
+    with pytest.raises(ValueError, match=r"mxfp4 experts need n_ff_exp \(48\)"):
+        mm.ModelSpec(expert_dtype="mxfp4", n_ff_exp=48)
+    with pytest.raises(ValueError, match="needs an architecture with experts"):
+        mm.ModelSpec(arch="qwen3", expert_dtype="mxfp4")
     assert not list(tmp_path.iterdir())
 
 

@@ -21,6 +21,9 @@ are written, then each tensor is generated and written chunk by chunk (one exper
 MiB of rows, at a time), so a file of any size is written in bounded memory. Bulk weights
 are drawn as 16-bit indices into a table of 65536 normal quantiles (fast, exactly
 Gaussian-shaped); Q8_0 blocks are built directly (a per-tensor scale and int8 values).
+With `expert_dtype` (MXFP4) the routed experts' F32 values are quantized as they are
+written by llama.cpp's own row quantizer (`quantize.quantize_rows`): the bytes llama.cpp's
+file quantizer writes for MXFP4_MOE, with no full-precision source file first.
 
 *Vocabulary.* Byte-level BPE like Qwen's: the 256 byte tokens (GPT-2's byte-to-unicode
 mapping), merges learnt from a small built-in English/code/JSON corpus, then the special
@@ -76,6 +79,7 @@ from .spec import (
     CONTEXT_SHARPNESS,
     DEMO_FILE,
     DTYPES,
+    EXPERT_DTYPES,
     GATING,
     MLA_FIELDS,
     MOE_ARCHS,
@@ -102,6 +106,7 @@ __all__ = [
     "ContextKernel",
     "DEMO_FILE",
     "DTYPES",
+    "EXPERT_DTYPES",
     "GATING",
     "MLA_FIELDS",
     "MOE_ARCHS",

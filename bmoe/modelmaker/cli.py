@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bmoe.modelmaker.templates import FRAMINGS
 
-from .spec import ARCHS, DEMO_FILE, DTYPES, GATING
+from .spec import ARCHS, DEMO_FILE, DTYPES, EXPERT_DTYPES, GATING
 from .writer import make_model
 
 # ---------------------------------------------------------------------------------------
@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ff", type=int, default=128, help="dense FFN width (qwen3)")
     p.add_argument("--ctx-train", type=int, default=32768)
     p.add_argument("--dtype", choices=DTYPES, default="f32")
+    p.add_argument("--expert-dtype", choices=EXPERT_DTYPES[1:], default="",
+                   help="the routed experts' type, quantized by llama.cpp as they are "
+                        "written (default: --dtype); mxfp4 makes an MXFP4_MOE file")
     p.add_argument("--template", choices=FRAMINGS, default="hermes")
     p.add_argument("--think-prefill", action="store_true")
     p.add_argument("--router-skew", type=float, default=0.0,
@@ -91,6 +94,8 @@ def main_make_model(argv: list[str]) -> int:
         context_width=args.context_width,
         seed=args.seed,
     )
+    if args.expert_dtype:
+        params["expert_dtype"] = args.expert_dtype
     if args.arch == "deepseek2":
         params |= dict(
             q_lora_rank=args.q_lora_rank,

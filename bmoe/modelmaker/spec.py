@@ -21,6 +21,14 @@ MOE_ARCHS = ("qwen3moe", "deepseek2")
 DTYPES = ("f32", "f16", "q8_0")
 
 
+# Types the routed experts' three tensors may have instead of `dtype`, quantized as they
+# are written by llama.cpp's own row quantizer (`quantize.quantize_rows`): the expert
+# bytes a real model of that type streams, without a full-precision source file to
+# quantize afterwards (a 12-layer slice of gpt-oss-120b would need 38 GiB of Q8_0 first).
+# "" is `dtype`.
+EXPERT_DTYPES = ("", "mxfp4")
+
+
 GATING = ("softmax", "sigmoid")  # deepseek2's expert gating functions (llama.cpp's names)
 
 
@@ -82,7 +90,13 @@ _QTYPES = {
     "f32": gguf.GGMLQuantizationType.F32,
     "f16": gguf.GGMLQuantizationType.F16,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "mxfp4": gguf.GGMLQuantizationType.MXFP4,
 }
+
+
+# The file type a file with quantized experts declares: what llama.cpp's quantizer writes
+# for that mix (MXFP4_MOE: experts in MXFP4, the other matrices in Q8_0).
+_EXPERT_FILE_TYPES = {"mxfp4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE}
 
 
 _Q8_BLOCK = 32
@@ -116,6 +130,7 @@ class ModelSpec:
     rope_freq_base: float = 0.0  # 0 = auto: 1e6, or what the context kernel needs
     rms_eps: float = 1e-6
     dtype: str = "f32"
+    expert_dtype: str = ""  # one of EXPERT_DTYPES: the routed experts' type ("" = dtype)
     seed: int = 0
     template: str = "hermes"
     think_prefill: bool = False
@@ -165,6 +180,8 @@ class ModelSpec:
             yield "n_ff must be >= 1"
         if self.is_mla:
             yield from self._mla_problems()
+        if self.expert_dtype:
+            yield from self._expert_dtype_problems()
         if self.dtype == "q8_0":
             for label, width in self._row_widths():
                 if width % _Q8_BLOCK:
@@ -182,6 +199,24 @@ class ModelSpec:
                 context_kernel(self)
             except ValueError as e:
                 yield str(e)
+
+    def _expert_dtype_problems(self) -> Iterator[str]:
+        if self.expert_dtype not in EXPERT_DTYPES:
+            yield f"expert_dtype {self.expert_dtype!r} is not one of {EXPERT_DTYPES[1:]}"
+            return
+        if not self.is_moe:
+            yield "expert_dtype needs an architecture with experts"
+        block = gguf.GGML_QUANT_SIZES[_QTYPES[self.expert_dtype]][0]
+        for label, width in (("n_embd", self.n_embd), ("n_ff_exp", self.n_ff_exp)):
+            if width % block:
+                yield f"{self.expert_dtype} experts need {label} ({width}) to be a multiple of {block}"
+
+    @property
+    def file_type(self) -> gguf.LlamaFileType:
+        """The file type the header declares (what llama.cpp's quantizer would write)."""
+        if self.expert_dtype:
+            return _EXPERT_FILE_TYPES[self.expert_dtype]
+        return _FILE_TYPES[self.dtype]
 
     def _mla_problems(self) -> Iterator[str]:
         for label in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_expert_shared"):

@@ -14,6 +14,7 @@ from functools import lru_cache
 import gguf
 import numpy as np
 
+from .quantize import quantize_rows
 from .spec import (
     _Q8_BLOCK,
     _Q8_BLOCK_BYTES,
@@ -83,9 +84,8 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        if self.qtype == gguf.GGMLQuantizationType.Q8_0:
-            return self.n_elements // _Q8_BLOCK * _Q8_BLOCK_BYTES
-        return self.n_elements * (2 if self.qtype == gguf.GGMLQuantizationType.F16 else 4)
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return self.n_elements // block * size
 
 
 def _plan(spec: ModelSpec, n_vocab: int) -> list[_Tensor]:
@@ -179,11 +179,12 @@ def _ffn_plan(spec: ModelSpec, blk: str, il: int) -> list[_Tensor]:
         return _dense_ffn(spec, blk, spec.n_ff)
     e, ff = spec.n_expert, spec.n_ff_exp
     router = gguf.GGMLQuantizationType.F32  # llama-quantize keeps routers in F32 too
+    exps = _QTYPES[spec.expert_dtype] if spec.expert_dtype else big
     plan = [
         _Tensor(blk + "ffn_gate_inp.weight", (e, d), router, structured="router", layer=il),
-        _Tensor(blk + "ffn_gate_exps.weight", (e, ff, d), big, std=d**-0.5),
-        _Tensor(blk + "ffn_up_exps.weight", (e, ff, d), big, std=d**-0.5),
-        _Tensor(blk + "ffn_down_exps.weight", (e, d, ff), big, std=res * ff**-0.5),
+        _Tensor(blk + "ffn_gate_exps.weight", (e, ff, d), exps, std=d**-0.5),
+        _Tensor(blk + "ffn_up_exps.weight", (e, ff, d), exps, std=d**-0.5),
+        _Tensor(blk + "ffn_down_exps.weight", (e, d, ff), exps, std=res * ff**-0.5),
     ]
     if spec.is_mla:
         plan += _dense_ffn(spec, blk, ff * spec.n_expert_shared, "_shexp")
@@ -292,7 +293,8 @@ def _encode(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
 
 
 def _bulk_chunk(
-    rng: np.random.Generator, n: int, std: float, qtype: gguf.GGMLQuantizationType
+    rng: np.random.Generator, n: int, std: float, qtype: gguf.GGMLQuantizationType,
+    row: int,
 ) -> np.ndarray:
     idx = _indices(rng, n)
     if qtype == gguf.GGMLQuantizationType.F32:
@@ -300,7 +302,12 @@ def _bulk_chunk(
     if qtype == gguf.GGMLQuantizationType.F16:
         table = (_normal_table() * std).astype(np.float16).view(np.uint16)
         return table[idx]
-    return _q8_blocks(idx, std)
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        return _q8_blocks(idx, std)
+    # the F32 weights this chunk has in an F32 file, through llama.cpp's row quantizer:
+    # the bytes llama.cpp's quantizer writes from that file
+    values = (_normal_table() * std).astype(np.float32)[idx]
+    return quantize_rows(values.reshape(-1, row), qtype)
 
 
 def _q8_blocks(idx: np.ndarray, std: float) -> np.ndarray:
@@ -325,4 +332,5 @@ def _chunks(spec: ModelSpec, vocab: Vocab, t: _Tensor) -> Iterator[np.ndarray]:
     rows_per_chunk = max(1, CHUNK_ELEMENTS // row)
     for k, start in enumerate(range(0, t.shape[0], rows_per_chunk)):
         n_rows = min(rows_per_chunk, t.shape[0] - start)
-        yield _bulk_chunk(_rng(spec.seed, t.name, k + 1), n_rows * row, t.std, t.qtype)
+        yield _bulk_chunk(_rng(spec.seed, t.name, k + 1), n_rows * row, t.std, t.qtype,
+                          t.shape[-1])

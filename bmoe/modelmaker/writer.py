@@ -16,7 +16,7 @@ import numpy as np
 
 from bmoe.modelmaker.templates import chat_template
 
-from .spec import _FILE_TYPES, MLA_FIELDS, ModelSpec
+from .spec import MLA_FIELDS, ModelSpec
 from .vocab import Vocab, build_vocab
 from .weights import _chunks, _plan
 
@@ -26,8 +26,8 @@ from .weights import _chunks, _plan
 
 def _add_metadata(w: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
     w.add_name(spec.model_name)
-    w.add_file_type(int(_FILE_TYPES[spec.dtype]))
-    if spec.dtype == "q8_0":
+    w.add_file_type(int(spec.file_type))
+    if spec.dtype == "q8_0" or spec.expert_dtype:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
@@ -84,6 +84,8 @@ def _spec_record(spec: ModelSpec) -> dict[str, object]:
     if not spec.is_mla:
         for label in MLA_FIELDS:
             del record[label]
+    if not spec.expert_dtype:      # files without it keep the bytes they had before it
+        del record["expert_dtype"]
     return record
 
 
