@@ -194,3 +194,62 @@ def test_a_bad_repack_value_is_refused_by_name(tmp_path: Path) -> None:
                          timeout=60, env=dict(os.environ))
     assert out.returncode != 0
     assert "repack" in out.stderr and "sometimes" in out.stderr, out.stderr
+
+
+# --- repacking and memory ------------------------------------------------------------------
+
+def test_repacking_stays_off_for_a_model_memory_cannot_hold() -> None:
+    on = KernelChoice(True, ("CPU_REPACK",), "auto", "probe", "checked")
+    gib = 1 << 30
+    assert kernels.within_memory(on, 2 * gib, 8 * gib) is on
+    assert kernels.within_memory(on, 2 * gib, 0) is on                 # room unknown
+    off = KernelChoice(False, ("CPU_REPACK",), "off", "setting", "off")
+    assert kernels.within_memory(off, 9 * gib, 1 * gib) is off
+    for mode in ("auto", "on"):
+        big = kernels.within_memory(KernelChoice(True, ("CPU_REPACK",), mode, "setting", ""),
+                                    4 * gib, 2 * gib)
+        assert big.extra_bufts is False and big.decided_by == "memory" and big.mode == mode
+        assert big.reason.startswith("the model (4.0 GiB) does not fit the memory this "
+                                     "process may hold (2.0 GiB)"), big.reason
+    tight = kernels.within_memory(on, 2 * gib - kernels.REPACK_MARGIN + 1, 2 * gib)
+    assert tight.extra_bufts is False
+
+
+def test_a_model_larger_than_the_cap_on_the_file_mapping_loads_and_answers(
+        tmp_path: Path, model_dir: Path) -> None:
+    """llama.cpp on the file mapping (no streaming) under a memory cap smaller than the
+    model, repacking asked for: it would copy the MXFP4 experts into memory and the cap
+    would kill the process at load. The load keeps the file's layout, says why, and
+    answers a batched prompt with the process inside its cap."""
+    from bmoe.machine.cgroup import MemoryCap
+
+    model = make_model(model_dir / "kernels-mxfp4-big.gguf", n_layer=12, n_embd=1024,
+                       n_head=8, n_head_kv=4, head_dim=128, n_expert=32, n_expert_used=4,
+                       n_ff_exp=1024, dtype="q8_0", expert_dtype="mxfp4", seed=12)
+    size = model.stat().st_size
+    cap = MemoryCap("bmoe-kernels-repack", 450 << 20)
+    assert size > cap.limit + (150 << 20)
+    cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
+           str(tmp_path / "data"), "--no-auto", "--threads", "1", "-c", "1024", "-m",
+           str(model), "--no-moe-stream", "--repack", "on"]
+    proc = cap.popen(cmd, stdout=subprocess.PIPE, text=True,
+                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        srv = ServerProcess(proc, line.split("listening on", 1)[1].strip(), tmp_path / "data")
+        info = srv.wait_state("ready", "error")
+        assert info["state"] == "ready", info
+        k = info["model"]["kernels"]
+        assert k["extra_bufts"] is False, k
+        if k["registered"] and "AMX" not in k["registered"]:
+            assert k["decided_by"] == "memory" and "does not fit the memory" in k["reason"], k
+        _batched_answer(srv)
+        assert cap.oom_kills() == 0 and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        cap.remove()

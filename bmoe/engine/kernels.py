@@ -26,6 +26,13 @@ build, before a resident load trusts them:
 The expert streamer always loads without them (it reads the file's own layout into its
 cache), so its tokens match a resident engine whose choice is off: that is the baseline
 the streaming tests compare with.
+
+Repacking copies every weight it takes out of the file mapping into the process's own
+memory, so a model on the file mapping (llama.cpp on mmap, larger than memory) would be
+held whole, and under a memory cap the kernel kills the process at load: measured on a
+4.2 GiB Q4_K_M slice of Qwen3-30B-A3B, 7.7 GiB resident with repacking, and OOM-killed
+under a 1.7 GiB cap. `within_memory` keeps them off, whatever the setting, for a model
+that with them would not fit the memory this process may hold.
 """
 
 from __future__ import annotations
@@ -50,6 +57,10 @@ from ..atomicfile import write_text
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
+# What a resident load needs beside its repacked weights: llama.cpp's model and context
+# structures, a prompt batch's compute buffer, the KV cache of a modest context, the
+# runtime
+REPACK_MARGIN = 512 << 20
 PROBE_TIMEOUT_S = 300           # a tiny model, quantized seven ways: seconds on one core
 CACHE_NAME = "kernels.json"
 
@@ -155,6 +166,21 @@ def choose(mode: str = "auto") -> KernelChoice:
             _decided[mode] = _decide(mode, registered_extra_bufts())
             log.info("kernels: %s", _decided[mode].line())
         return _decided[mode]
+
+
+def within_memory(choice: KernelChoice, model_bytes: int, room: int) -> KernelChoice:
+    """`choice`, or off where the repacked weights (copied out of the file mapping into
+    this process's memory) with `REPACK_MARGIN` would not fit the `room` this process may
+    hold (0: unknown, the choice stands). Under `on` too: a setting must not get the
+    process killed at load."""
+    if not choice.extra_bufts or not room or model_bytes + REPACK_MARGIN <= room:
+        return choice
+    gib = 1 << 30
+    return KernelChoice(False, choice.registered, choice.mode, "memory",
+                        f"the model ({model_bytes / gib:.1f} GiB) does not fit the memory "
+                        f"this process may hold ({room / gib:.1f} GiB): repacking would copy "
+                        "its weights into memory, so they stay in the file's own layout on "
+                        "the file mapping")
 
 
 def _decide(mode: str, registered: tuple[str, ...]) -> KernelChoice:
