@@ -111,9 +111,9 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("faults") / "moe.gguf", **MOE)
 
 
-def serve(tmp: Path, model: Path, io_threads: int = 2) -> ServerProcess:
+def serve(tmp: Path, model: Path, io_threads: int = 2, *flags: str) -> ServerProcess:
     srv = start_server(tmp / "data", "-m", str(model), "-c", "1024", "--moe-stream",
-                       "--cache-mb", "2", "--io-threads", str(io_threads),
+                       "--cache-mb", "2", "--io-threads", str(io_threads), *flags,
                        env={"BMOE_READ_TIMEOUT_S": str(TIMEOUT_S)})
     assert srv.info()["state"] == "ready", srv.info()
     return srv
@@ -190,10 +190,11 @@ def fused(tmp_path: Path, moe: Path) -> Iterator[FaultFS]:
         fs.close()
 
 
-@pytest.mark.parametrize("io_threads", [1, 2])
+@pytest.mark.parametrize(("io_threads", "flags"), [(1, ()), (2, ()), (2, ("--prefetch", "1"))],
+                         ids=["one-lane", "aio", "queue"])
 def test_read_errors_end_the_turn_with_the_files_name_and_a_reload_recovers(
-        tmp_path: Path, fused: FaultFS, io_threads: int) -> None:
-    srv = serve(tmp_path, fused.path, io_threads)
+        tmp_path: Path, fused: FaultFS, io_threads: int, flags: tuple[str, ...]) -> None:
+    srv = serve(tmp_path, fused.path, io_threads, *flags)
     try:
         whole = answer(srv, 300)
         # streaming: the error arrives mid-answer, after the model's own first tokens
@@ -215,10 +216,13 @@ def test_read_errors_end_the_turn_with_the_files_name_and_a_reload_recovers(
         srv.stop()
 
 
-@pytest.mark.parametrize("io_threads", [1, 2])
+# one lane; two (AIO: a layer's reads at once); two with read-ahead (the read queue: on
+# AIO, its own thread submitting and reaping)
+@pytest.mark.parametrize(("io_threads", "flags"), [(1, ()), (2, ()), (2, ("--prefetch", "1"))],
+                         ids=["one-lane", "aio", "queue"])
 def test_a_hung_read_times_out_with_the_files_name_and_a_reload_recovers(
-        tmp_path: Path, fused: FaultFS, io_threads: int) -> None:
-    srv = serve(tmp_path, fused.path, io_threads)
+        tmp_path: Path, fused: FaultFS, io_threads: int, flags: tuple[str, ...]) -> None:
+    srv = serve(tmp_path, fused.path, io_threads, *flags)
     try:
         whole = answer(srv, 300)
         fused.forget_cache()
