@@ -1003,6 +1003,41 @@ def test_page_supply_gives_zeroed_contiguous_pages() -> None:
     assert not supply.give(buf.base, PAGE)        # closed: gives nothing
 
 
+@pytest.mark.parametrize("plain_faster", [True, False])
+def test_page_supply_turns_itself_off_where_huge_pages_fault_in_slower(
+        monkeypatch: pytest.MonkeyPatch, plain_faster: bool) -> None:
+    """After `_JUDGE_BYTES` given, the supply stays on only while its huge pages commit at
+    least as fast as plain pages fault in; off, it gives nothing (the reads fault pages in
+    as without it) and its note gives both rates."""
+    from bmoe.engine.experts import memory
+    from bmoe.engine.experts.memory import AnonBuffer, PageSupply
+
+    if not thp_on():
+        pytest.skip("the kernel has no transparent huge pages")
+    monkeypatch.setattr(memory, "_JUDGE_BYTES", 4 * MIB)
+    supply = PageSupply(region=8 * MIB)
+    assert supply.plain_rate > 0 and supply.note == "on"
+    supply.plain_rate = 1e15 if plain_faster else 1.0      # faster, or slower, than any
+    buf = AnonBuffer(576, 12 * MIB)
+    try:
+        i = 0
+        while supply.given_bytes < 4 * MIB:       # up to the judgement, every one given
+            addr, n = buf.interior(i * MIB, (i + 1) * MIB)
+            assert supply.give(addr, n)
+            i += 1
+        addr, n = buf.interior(i * MIB, (i + 1) * MIB)
+        if plain_faster:
+            assert not supply.enabled and not supply.give(addr, n)
+            assert supply.note.startswith("off: huge pages faulted in at "), supply.note
+        else:
+            assert supply.enabled and supply.give(addr, n)
+            assert supply.note.startswith("on: huge pages fault in at "), supply.note
+        assert ", plain pages at " in supply.note and supply.note.endswith(" MiB/s")
+    finally:
+        supply.close()
+        buf.close()
+
+
 def test_no_page_supply_where_the_kernel_has_no_huge_pages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bmoe.engine.experts import memory

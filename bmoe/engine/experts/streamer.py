@@ -973,6 +973,8 @@ class ExpertStreamer:
                                and self.reader.supply.enabled),
             "huge_pages_mib": round(self.reader.supply.given_bytes / MIB, 1)
             if self.reader and self.reader.supply else 0.0,
+            "huge_pages_note": self.reader.supply.note
+            if self.reader and self.reader.supply else "",
             "dense_weights": self.dense_mode,
             "dense_resident_frac": self.dense_resident_frac(),
         }
