@@ -248,8 +248,5 @@ def test_a_model_larger_than_the_cap_on_the_file_mapping_loads_and_answers(
         _batched_answer(srv)
         assert cap.oom_kills() == 0 and proc.poll() is None
     finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        ServerProcess(proc, "", tmp_path / "data").stop()
         cap.remove()

@@ -233,7 +233,7 @@ _MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
 _SUPPLY_REGION = 64 << 20          # fresh pages are carved from regions of this size
 _JUDGE_BYTES = 128 << 20           # the supply judges its huge pages after giving this much
 _PROBE_BYTES = 16 << 20            # plain pages faulted in once to time them
-MIB_ = 1 << 20
+_MIB = 1 << 20
 
 
 def plain_fault_rate(nbytes: int = _PROBE_BYTES) -> float:
@@ -254,6 +254,8 @@ def plain_fault_rate(nbytes: int = _PROBE_BYTES) -> float:
             m.close()
         best = max(best, nbytes / dt if dt > 0 else 0.0)
     return best
+
+
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -346,11 +348,11 @@ class PageSupply:
         if self.plain_rate and rate < self.plain_rate:
             self.enabled = False
             self._drop()
-            self.note = (f"off: huge pages faulted in at {rate / MIB_:.0f} MiB/s here, "
-                         f"plain pages at {self.plain_rate / MIB_:.0f} MiB/s")
+            self.note = (f"off: huge pages faulted in at {rate / _MIB:.0f} MiB/s here, "
+                         f"plain pages at {self.plain_rate / _MIB:.0f} MiB/s")
         else:
-            self.note = (f"on: huge pages fault in at {rate / MIB_:.0f} MiB/s, plain pages "
-                         f"at {self.plain_rate / MIB_:.0f} MiB/s")
+            self.note = (f"on: huge pages fault in at {rate / _MIB:.0f} MiB/s, plain pages "
+                         f"at {self.plain_rate / _MIB:.0f} MiB/s")
 
     def commit(self, buf: AnonBuffer, length: int | None = None) -> bool:
         """Commit the first `length` bytes of `buf` (all of it by default): fresh pages
