@@ -218,23 +218,20 @@ def make_shape_model(args: argparse.Namespace) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    shape = dict(n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
+                 n_embd=args.embd, n_ff_exp=args.ff_exp, n_ff=args.ff_exp,
+                 n_head=args.n_head, n_head_kv=args.n_head_kv, head_dim=args.head_dim,
+                 dtype=args.dtype, router_skew=args.router_skew,
+                 context_mix=args.context_mix, seed=7)
     if args.expert_dtype:      # quantized as it is written: no source file
-        make_model(path, n_layer=args.layers, n_expert=args.experts,
-                   n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff_exp,
-                   n_ff=args.ff_exp, n_head=args.n_head, n_head_kv=args.n_head_kv,
-                   head_dim=args.head_dim, dtype=args.dtype, expert_dtype=args.expert_dtype,
-                   router_skew=args.router_skew, context_mix=args.context_mix, seed=7)
+        make_model(path, **shape, expert_dtype=args.expert_dtype)
         print(f"model: wrote {path} ({path.stat().st_size / 2**30:.2f} GiB, experts in "
               f"{args.expert_dtype} by llama.cpp's row quantizer) in "
               f"{time.monotonic() - t0:.0f} s", flush=True)
         return path
     src = path.with_suffix(f".{args.dtype}.gguf")
     try:
-        make_model(src, n_layer=args.layers, n_expert=args.experts,
-                   n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff_exp,
-                   n_ff=args.ff_exp, n_head=args.n_head, n_head_kv=args.n_head_kv,
-                   head_dim=args.head_dim, dtype=args.dtype, router_skew=args.router_skew,
-                   context_mix=args.context_mix, seed=7)
+        make_model(src, **shape)
         t1 = time.monotonic()
         print(f"model: wrote {src.name} ({src.stat().st_size / 2**30:.2f} GiB) in "
               f"{t1 - t0:.0f} s", flush=True)

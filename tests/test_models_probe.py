@@ -132,3 +132,13 @@ def test_fuzz_random_bytes_after_the_magic(blob: bytes) -> None:
     for data in (blob, b"GGUF" + blob, b"GGUF\x03\x00\x00\x00" + blob):
         p = probe_source(fetch_of(data))
         assert isinstance(p, ModelProbe)
+
+
+def test_model_bytes_counts_every_shard_present(tmp_path: Path) -> None:
+    from bmoe.models.probe import model_bytes
+
+    (tmp_path / "m-00001-of-00003.gguf").write_bytes(b"x" * 3)
+    (tmp_path / "m-00002-of-00003.gguf").write_bytes(b"x" * 5)
+    (tmp_path / "one.gguf").write_bytes(b"x" * 7)
+    assert model_bytes(tmp_path / "m-00001-of-00003.gguf") == 8      # the third is missing
+    assert model_bytes(str(tmp_path / "one.gguf")) == 7

@@ -39,7 +39,7 @@ from . import (backend, builtin_templates, embed, kernels, params, rpc, vocab_gu
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
 from ..machine import probe_memory
-from ..models.probe import shard_name, split_parts
+from ..models.probe import model_bytes
 from .sampling import (Sampling, build_chain, chain_biases, post_sampling_logprobs,
                        top_logprobs)
 from .templating import ChatTemplate, TemplateError
@@ -128,17 +128,6 @@ def grammar_sampler(vocab: Any, grammar: str, tokens: list[int], patterns: list[
         vocab, grammar.encode(), b"root", regexes if words else None, len(words),
         toks, len(tokens))
 
-
-
-def model_file_bytes(path: Path) -> int:
-    """The bytes llama.cpp loads for `path`: every part of a split model
-    (``X-00001-of-00003.gguf`` ...), or the one file."""
-    parts = split_parts(path.name)
-    if parts is None:
-        return path.stat().st_size
-    stem, _, count = parts
-    shards = (path.parent / shard_name(stem, i, count) for i in range(1, count + 1))
-    return sum(f.stat().st_size for f in shards if f.is_file())
 
 class Session:
     # Set while the model loads (`_open`, `_make_context`, `_setup_template`): llama.cpp's
@@ -257,7 +246,7 @@ class Session:
         if self.streamer is not None:
             return KernelChoice(False, kernels.registered_extra_bufts(), mode, "streamer",
                                 "the expert streamer runs the file's own layout")
-        return kernels.within_memory(kernels.choose(mode), model_file_bytes(self.path),
+        return kernels.within_memory(kernels.choose(mode), model_bytes(self.path),
                                      probe_memory().budget)
 
     def _make_context(self) -> None:

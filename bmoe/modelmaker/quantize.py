@@ -72,11 +72,10 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: st
     return target
 
 
-# Types quantize_rows takes: those ggml quantizes without an importance matrix, and whose
-# block layout gguf describes (GGML_QUANT_SIZES), so the output's size is known before
-# ggml writes it.
-ROW_TYPES = (gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.Q4_K,
-             gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q8_0)
+# Types quantize_rows takes (the model maker's EXPERT_DTYPES): ggml quantizes them without
+# an importance matrix, and gguf describes their blocks (GGML_QUANT_SIZES), so the output's
+# size is known before ggml writes it.
+ROW_TYPES = (gguf.GGMLQuantizationType.MXFP4,)
 ROW_THREADS = max(1, min(4, os.cpu_count() or 1))   # row pieces quantized side by side
 
 

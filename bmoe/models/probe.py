@@ -480,6 +480,18 @@ def shard_name(stem: str, no: int, count: int) -> str:
     return f"{stem}-{no:05d}-of-{count:05d}.gguf"
 
 
+def model_bytes(path: str | os.PathLike[str]) -> int:
+    """The bytes llama.cpp loads for `path`: every shard present of a split model
+    (``X-00001-of-00003.gguf`` ...), or the one file."""
+    folder, name = os.path.split(os.fspath(path))
+    parts = split_parts(name)
+    if parts is None:
+        return os.stat(path).st_size
+    stem, _, count = parts
+    shards = (os.path.join(folder, shard_name(stem, i, count)) for i in range(1, count + 1))
+    return sum(os.stat(f).st_size for f in shards if os.path.isfile(f))
+
+
 def is_gguf_name(name: str) -> bool:
     return name.lower().endswith(".gguf")
 
