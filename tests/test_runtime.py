@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from bmoe.engine.decide import DecideRequest, decide
 from bmoe.engine.errors import EngineError
@@ -153,3 +154,52 @@ def test_exclusive_holds_the_turn_and_is_cancelled_like_a_generation(
         assert not rt.generating and not rt.turns.busy   # the engine let go
 
     trio.run(main)
+
+
+def test_a_request_while_the_model_falls_asleep_wakes_it(tmp_path: Path, tiny_moe: Path,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """`--sleep-idle-seconds`: a request that arrives while the idle model is being closed
+    waits for it to load again (it once found no model and a lifecycle still READY: 503
+    no_model, seen as llama.cpp's `test_server_sleep_read_only_endpoints` failing)."""
+    caplog.set_level(logging.ERROR, logger="bmoe.runtime.state")
+    gate = threading.Event()
+
+    async def main() -> None:
+        rt = runtime(tmp_path)
+        async with trio.open_nursery() as nursery:
+            rt.attach(nursery)
+            try:
+                await body(rt, nursery)
+            finally:
+                gate.set()
+                with trio.CancelScope(shield=True):
+                    await rt.aclose()      # the engine thread ends (it is not a daemon)
+            nursery.cancel_scope.cancel()
+
+    async def body(rt: Runtime, nursery: trio.Nursery) -> None:
+        rt.begin_load(str(tiny_moe), {**rt.config.values, "model": str(tiny_moe)})
+        await wait_settled(rt)
+        assert rt.idle()
+        rt.engine.submit(lambda: gate.wait(30))      # the close waits behind this
+        slept: list[bool] = []
+
+        async def sleep() -> None:
+            slept.append(await rt.fall_asleep(dict))
+
+        nursery.start_soon(sleep)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rt.session is None and rt.asleep is not None   # closing: a caller wakes it
+        assert rt.state == Lifecycle.EMPTY
+        nursery.start_soon(trio.to_thread.run_sync, gate.wait, 0.5)
+        with trio.fail_after(120):
+            n_ctx = await rt.job(lambda s: s.n_ctx)
+        gate.set()
+        assert n_ctx > 0 and rt.state == Lifecycle.READY and rt.asleep is None
+        assert slept == [False]                      # woken while it closed
+
+        assert await rt.fall_asleep(dict) is True     # and an undisturbed sleep still is one
+        assert rt.state == Lifecycle.EMPTY and rt.asleep is not None
+
+    trio.run(main)
+    assert not [r for r in caplog.records if ILLEGAL in r.getMessage()]

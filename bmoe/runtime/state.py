@@ -260,9 +260,14 @@ class Runtime:
             asleep = Asleep(str(s.path), dict(self.loaded_values), s.n_ctx,
                             tuple(s.kv_tokens),
                             FrozenStats(stats()) if callable(stats) else None, views())
-            await self._close_session()
+            # Asleep from here, before the close: a request that arrives while the engine
+            # closes the model wakes it (its load waits for this lock), where it would
+            # otherwise find no model and a lifecycle still READY (503 no_model).
             self.asleep = asleep
             self._set_state(Lifecycle.EMPTY)
+            await self._close_session()
+            if self.asleep is not asleep:        # woken while it closed: the load goes on
+                return False
         self.bus.log("info", f"sleeping: {Path(asleep.path).name} is unloaded until a "
                      "request needs it")
         return True
@@ -403,6 +408,7 @@ class Runtime:
             self.session = session
             self.loaded_values = values
             self.ctx_refused = False
+            self.last_active = time.monotonic()   # the idle time (sleep) starts when it is ready
             self._set_state(Lifecycle.READY)
             self.bus.log("info", f"loaded {session.path.name} ({session.arch}, n_ctx "
                          f"{session.n_ctx}, streaming {'on' if session.streamer else 'off'}, "
