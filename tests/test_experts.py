@@ -14,6 +14,7 @@ Models are tiny ones the model maker writes; the sessions run the way the server
 from __future__ import annotations
 
 import ctypes
+import mmap
 import errno
 import os
 import sys
@@ -33,7 +34,8 @@ from bmoe.engine.experts import reader as reader_mod
 from bmoe.engine.experts.budget import MIB, resolve
 from bmoe.engine.experts.cache import ExpertCache, NoCache
 from bmoe.engine.experts.layout import read_layout
-from bmoe.engine.experts.memory import physical_runs
+from bmoe.engine.experts.memory import AnonBuffer, physical_runs
+from bmoe.engine.experts.streamer import take_spare
 from bmoe.modelmaker import make_model
 from bmoe.engine.session import Session
 from bmoe.engine.turn import TurnRequest, prepare, run_turn
@@ -1095,3 +1097,24 @@ def test_no_huge_pages_when_every_expert_fits(models: dict[str, Path],
         assert st.summary()["huge_pages"] is False and st.stats()["fresh_bytes"] == 0
 
     assert streamed(models["moe-wide"], check, **values) == resident(models, "moe-wide")
+
+
+def test_a_miss_takes_a_victims_pages_of_another_length() -> None:
+    """A slice's interior is a page longer or shorter with its phase in the file: a miss
+    takes a victim's pages of the same length first, else the nearest larger one (the
+    rest freed at once), else the largest smaller one (the read faults in the rest)."""
+    page = mmap.PAGESIZE
+    buf = AnonBuffer(0, 64 * page)
+    buf.array[::page] = 1                                   # every page committed
+    at = buf.base
+    spare = {8 * page: [(buf, at)], 10 * page: [(buf, at + 16 * page)],
+             4 * page: [(buf, at + 32 * page)]}
+    assert take_spare(spare, 8 * page) == (at, 8 * page)    # the same length
+    assert take_spare(spare, 7 * page) == (at + 16 * page, 7 * page)   # the nearest larger
+    vec = (ctypes.c_ubyte * 10)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(at + 16 * page), 10 * page, vec) == 0
+    assert [v & 1 for v in vec] == [1] * 7 + [0] * 3        # its last three pages freed
+    assert take_spare(spare, 9 * page) == (at + 32 * page, 4 * page)   # the largest smaller
+    assert take_spare(spare, 8 * page) is None               # nothing left
+    buf.close()
