@@ -33,9 +33,10 @@ def drop_caches() -> None:
 
 def direct_read_rate(path: Path, chunk: int, count: int, lanes: int, seed: int = 0) -> float:
     """Bytes/s of `count` random O_DIRECT reads of `chunk` bytes over `lanes` threads,
-    into memory the engine reads into (pages from transparent huge pages where the kernel
-    has them: physically contiguous, which a virtual disk can read up to twice as fast
-    as into pages faulted in one by one; see the engine's `huge-pages`)."""
+    into pages carved from transparent huge pages where the kernel has them: physically
+    contiguous, which a virtual disk can read up to twice as fast as pages faulted in one
+    by one, so this is the disk's best rate (the engine reads into plain pages unless
+    `huge-pages` is on)."""
     from bmoe.engine.experts.memory import AnonBuffer, PageSupply
     size = path.stat().st_size
     rng = random.Random(seed)

@@ -63,7 +63,7 @@ def headless_streamer(model: Path, values: dict[str, Any]) -> Any:
     st.reader = ExpertReader(str(model), int(values["io-threads"]), True,
                              chunk=int(values.get("read-chunk-kb", 0)) * 1024)
     st.reader.mode = str(values.get("reader-mode", "aio"))
-    if values.get("huge-pages", True):
+    if values.get("huge-pages", False):
         st.reader.supply = PageSupply()
     return st
 

@@ -1051,8 +1051,9 @@ def test_no_page_supply_where_the_kernel_has_no_huge_pages(
     assert memory.thp_mode() == "" and not memory.PageSupply().enabled
 
 
-@pytest.mark.parametrize("values", [{"cache-mb": 16}, {"cache-mb": 16, "prefetch": 1,
-                                                       "overlap": True}],
+@pytest.mark.parametrize("values", [{"cache-mb": 16, "huge-pages": True},
+                                    {"cache-mb": 16, "prefetch": 1, "overlap": True,
+                                     "huge-pages": True}],
                          ids=["evicting", "read-ahead"])
 def test_huge_pages_match_and_reads_land_in_contiguous_pages(
         models: dict[str, Path], values: dict[str, Any]) -> None:
@@ -1083,11 +1084,15 @@ def test_huge_pages_match_and_reads_land_in_contiguous_pages(
         assert st.summary()["huge_pages"] is False and st.stats()["fresh_bytes"] == 0
 
     assert streamed(models["moe-wide"], check, **values) == resident(models, "moe-wide")
-    assert streamed(models["moe-wide"], off, **values, **{"huge-pages": False}) \
+    assert streamed(models["moe-wide"], off, **{**values, "huge-pages": False}) \
         == resident(models, "moe-wide")
+    assert streamed(models["moe-wide"], off, **{k: v for k, v in values.items()
+                                                if k != "huge-pages"}) \
+        == resident(models, "moe-wide")                     # off unless asked for
 
 
-@pytest.mark.parametrize("values", [{"load-all": True}, {"cache-mb": 32}],
+@pytest.mark.parametrize("values", [{"load-all": True, "huge-pages": True},
+                                    {"cache-mb": 32, "huge-pages": True}],
                          ids=["load-all", "fill"])
 def test_no_huge_pages_when_every_expert_fits(models: dict[str, Path],
                                               values: dict[str, Any]) -> None:

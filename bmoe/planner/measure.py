@@ -71,7 +71,7 @@ def measure(path: str | os.PathLike[str], values: dict[str, Any], user_keys: lis
         compute = probe_compute(facts, cancel=cancel)
     step(2)
     storage = cached[1] if cached else probe_storage(
-        facts, cancel=cancel, huge_pages=bool(values.get("huge-pages", True)))
+        facts, cancel=cancel, huge_pages=bool(values.get("huge-pages", False)))
     step(3)
     memory = probe_memory(loaded_held)
     step(4)

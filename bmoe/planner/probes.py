@@ -267,7 +267,7 @@ def _layer_regions(facts: ModelFacts, block: int) -> list[list[tuple[int, int]]]
 def probe_storage(facts: ModelFacts, lanes: tuple[int, ...] = STORAGE_LANES,
                   seconds: float = STORAGE_SECONDS_PER_LANE, seed: int | None = None,
                   cancel: threading.Event | None = None,
-                  huge_pages: bool = True) -> StorageFacts:
+                  huge_pages: bool = False) -> StorageFacts:
     """Reads land in memory of the kind the engine reads into: with `huge_pages` (the
     engine's `huge-pages`), pages carved from transparent huge pages (a virtual disk can
     pay per physically contiguous run of the memory a read fills: see
@@ -403,7 +403,7 @@ def _batches(facts: ModelFacts, lanes: tuple[int, ...], odirect: bool, rng: rand
 
 def _read_for(fd: int, regions: list[tuple[int, int]], block: int, lanes: int,
               seconds: float, rng: random.Random,
-              huge_pages: bool = True) -> tuple[int, float] | None:
+              huge_pages: bool = False) -> tuple[int, float] | None:
     """(bytes, seconds) of random block reads over ``lanes`` threads for ``seconds``, each
     lane into memory of the engine's kind (see `probe_storage`)."""
 

@@ -275,7 +275,7 @@ class ExpertStreamer:
         # A cache that holds every expert reads each once, and committing huge pages can
         # cost more than faulting in pages freed moments ago (on a VM that hands freed
         # 2 MiB blocks back to its host, each is backed anew: ~3 ms per MiB measured).
-        if (self.reader.recycle and self.values.get("huge-pages", True)
+        if (self.reader.recycle and self.values.get("huge-pages", False)
                 and self.budget.mode != "all" and self.budget.bytes < self.layout.expert_bytes):
             self.reader.supply = PageSupply()
         if self.budget.mode == "all":
