@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 import threading
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,25 @@ def test_the_lifecycle_table() -> None:
 def runtime(tmp_path: Path) -> Runtime:
     return Runtime(ServerOptions(data_dir=tmp_path), ConfigStore(tmp_path, {}), EventBus(),
                    streamer_factory=streamer_factory)
+
+
+def run_runtime(tmp_path: Path, body: Callable[[Runtime, trio.Nursery], Awaitable[None]],
+                before_close: Callable[[], Any] = lambda: None) -> None:
+    """`body(rt, nursery)` on a fresh runtime attached to a nursery; `before_close()`
+    (releasing what the engine thread may be blocked on), then the runtime is closed."""
+    async def main() -> None:
+        rt = runtime(tmp_path)
+        async with trio.open_nursery() as nursery:
+            rt.attach(nursery)
+            try:
+                await body(rt, nursery)
+            finally:
+                before_close()
+                with trio.CancelScope(shield=True):
+                    await rt.aclose()      # the engine thread ends (it is not a daemon)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 async def wait_settled(rt: Runtime) -> None:
@@ -116,17 +136,6 @@ def test_exclusive_holds_the_turn_and_is_cancelled_like_a_generation(
         started.set()
         return cancel.wait(30)             # True: the flag was set
 
-    async def main() -> None:
-        rt = runtime(tmp_path)
-        async with trio.open_nursery() as nursery:
-            rt.attach(nursery)
-            try:
-                await body(rt, nursery)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await rt.aclose()      # the engine thread ends (it is not a daemon)
-            nursery.cancel_scope.cancel()
-
     async def body(rt: Runtime, nursery: trio.Nursery) -> None:
         rt.begin_load(str(tiny_moe), {**rt.config.values, "model": str(tiny_moe)})
         await wait_settled(rt)
@@ -153,7 +162,7 @@ def test_exclusive_holds_the_turn_and_is_cancelled_like_a_generation(
                 await trio.sleep(10)
         assert not rt.generating and not rt.turns.busy   # the engine let go
 
-    trio.run(main)
+    run_runtime(tmp_path, body)
 
 
 def test_a_request_while_the_model_falls_asleep_wakes_it(tmp_path: Path, tiny_moe: Path,
@@ -164,18 +173,6 @@ def test_a_request_while_the_model_falls_asleep_wakes_it(tmp_path: Path, tiny_mo
     no_model, seen as llama.cpp's `test_server_sleep_read_only_endpoints` failing)."""
     caplog.set_level(logging.ERROR, logger="bmoe.runtime.state")
     gate = threading.Event()
-
-    async def main() -> None:
-        rt = runtime(tmp_path)
-        async with trio.open_nursery() as nursery:
-            rt.attach(nursery)
-            try:
-                await body(rt, nursery)
-            finally:
-                gate.set()
-                with trio.CancelScope(shield=True):
-                    await rt.aclose()      # the engine thread ends (it is not a daemon)
-            nursery.cancel_scope.cancel()
 
     async def body(rt: Runtime, nursery: trio.Nursery) -> None:
         rt.begin_load(str(tiny_moe), {**rt.config.values, "model": str(tiny_moe)})
@@ -201,5 +198,5 @@ def test_a_request_while_the_model_falls_asleep_wakes_it(tmp_path: Path, tiny_mo
         assert await rt.fall_asleep(dict) is True     # and an undisturbed sleep still is one
         assert rt.state == Lifecycle.EMPTY and rt.asleep is not None
 
-    trio.run(main)
+    run_runtime(tmp_path, body, before_close=gate.set)
     assert not [r for r in caplog.records if ILLEGAL in r.getMessage()]
