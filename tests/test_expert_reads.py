@@ -62,7 +62,7 @@ def expected(path: Path) -> bytes:
                     for e in [1, 2, 3, 7, 11, 12, 20, 23])
 
 
-@pytest.mark.parametrize("mode", ["aio", "aio-first", "lanes", "first", "pipe"])
+@pytest.mark.parametrize("mode", ["aio", "lanes", "first", "pipe"])
 @pytest.mark.parametrize("fresh", [False, True], ids=["faulted", "fresh-pages"])
 def test_every_mode_reads_the_slices(model_file: Path, mode: str, fresh: bool) -> None:
     got, reader = read_slices(model_file, mode, fresh=fresh)
@@ -87,8 +87,7 @@ def test_pieces_read_the_same_bytes(model_file: Path) -> None:
 
 def test_a_read_aio_refuses_is_read_again_and_falls_back(
         model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(self: Any, fd: int, reads: list[tuple[int, int, int]],
-               before: Any = None) -> list[int]:
+    def refuse(self: Any, fd: int, reads: list[tuple[int, int, int]]) -> list[int]:
         return [-errno.EINVAL] * len(reads)
 
     real_preadv = os.preadv
@@ -111,56 +110,3 @@ def test_a_read_aio_refuses_is_read_again_and_falls_back(
     got, reader = read_slices(model_file, "aio")
     assert got == expected(model_file)
     assert not reader.odirect and "refused" in reader.fallback_reason
-
-
-def test_each_slices_pages_move_once_when_aio_refuses_some(
-        model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """AIO prepared (moved the pages of) the first read only, then refused them all: the
-    retries move the rest, and none twice."""
-    def refuse_after_one(self: Any, fd: int, reads: list[tuple[int, int, int]],
-                         before: Any = None) -> list[int]:
-        assert before is not None
-        before(0)
-        return [-errno.EAGAIN] * len(reads)
-
-    moved: list[tuple[int, int, int]] = []
-    real_recycle = ExpertReader._recycle
-
-    def spy(self: ExpertReader, moves: tuple[tuple[int, int, int], ...]) -> None:
-        moved.extend(moves)
-        real_recycle(self, moves)
-
-    monkeypatch.setattr(reader_mod.Aio, "pread_all", refuse_after_one)
-    monkeypatch.setattr(ExpertReader, "_recycle", spy)
-    got, _ = read_slices(model_file, "aio", fresh=True)
-    assert got == expected(model_file)
-    assert len(moved) == 8 and len(set(moved)) == 8     # every slice's pages, each once
-
-
-def test_aio_waits_for_submitted_reads_when_preparing_one_fails(model_file: Path) -> None:
-    aio = reader_mod.Aio.open(8)
-    if aio is None:
-        pytest.skip("no Linux AIO here")
-    fd = os.open(model_file, os.O_RDONLY | os.O_DIRECT)
-    buf = AnonBuffer(0, 8 * PAGE)
-    prepared: list[int] = []
-
-    def before(i: int) -> None:
-        if i == 3:
-            raise RuntimeError("no pages")
-        prepared.append(i)
-
-    try:
-        with pytest.raises(RuntimeError, match="no pages"):
-            aio.pread_all(fd, [(buf.base + i * PAGE, PAGE, i * PAGE) for i in range(6)], before)
-        assert prepared == [0, 1, 2]
-        data = model_file.read_bytes()
-        assert bytes(buf.view[:3 * PAGE]) == data[:3 * PAGE]    # the submitted reads landed
-        results = aio.pread_all(fd, [(buf.base + i * PAGE, PAGE, i * PAGE) for i in range(6)],
-                                prepared.append)
-        assert results == [PAGE] * 6 and prepared == [0, 1, 2, 0, 1, 2, 3, 4, 5]
-        assert bytes(buf.view[:6 * PAGE]) == data[:6 * PAGE]
-    finally:
-        aio.close()
-        os.close(fd)
-        buf.close()

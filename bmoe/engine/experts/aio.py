@@ -19,7 +19,6 @@ import ctypes.util
 import errno
 import os
 import platform
-from collections.abc import Callable
 
 # syscall numbers: io_setup, io_destroy, io_getevents, io_submit
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
@@ -65,18 +64,11 @@ class Aio:
             return None
         return cls(ctx.value, depth, calls)
 
-    def pread_all(self, fd: int, reads: list[tuple[int, int, int]],
-                  before: Callable[[int], None] | None = None) -> list[int]:
+    def pread_all(self, fd: int, reads: list[tuple[int, int, int]]) -> list[int]:
         """Read each (buffer address, length, file offset); returns each one's result:
         bytes read, or -errno. Raises TimeoutError when no read completed for `timeout`
         seconds (the reads still in flight stay so: the context is not usable any more,
-        and close() waits for them).
-
-        With `before`, `before(i)` runs just before read i is submitted and the reads go
-        in one at a time, so the caller prepares read i + 1 (moves its pages) while read i
-        is already on the device. If `before` raises, the reads already submitted are
-        waited for first (they write into the caller's buffers), then it raises. A read the
-        kernel refused has a negative result whether or not `before` ran for it."""
+        and close() waits for them)."""
         timeout = self.timeout
         results = [0] * len(reads)
         iocbs = (_Iocb * len(reads))()
@@ -86,17 +78,8 @@ class Aio:
         ptrs = (ctypes.POINTER(_Iocb) * len(reads))(*[ctypes.pointer(c) for c in iocbs])
         events = (_Event * self.depth)()
         sent = done = 0
-        ready = 0 if before is not None else len(reads)   # reads prepared by `before`
         while done < len(reads):
-            if ready == sent < len(reads) and sent - done < self.depth:
-                assert before is not None
-                try:
-                    before(sent)
-                except BaseException:
-                    self._drain(sent - done, events, timeout)
-                    raise
-                ready += 1
-            want = min(ready - sent, self.depth - (sent - done))
+            want = min(len(reads) - sent, self.depth - (sent - done))
             if want > 0:
                 got = _libc.syscall(self._submit, ctypes.c_ulong(self._ctx), ctypes.c_long(want),
                                     ctypes.byref(ptrs, sent * ctypes.sizeof(ctypes.c_void_p)))
@@ -111,8 +94,6 @@ class Aio:
                     else:
                         got = 0
                 sent += got
-                if got > 0 and sent < len(reads) and sent - done < self.depth:
-                    continue                 # prepare and submit the next before waiting
             if sent == done:
                 continue
             ts = None
@@ -131,19 +112,6 @@ class Aio:
                 results[e.data] = e.res
             done += n
         return results
-
-    def _drain(self, left: int, events: ctypes.Array, timeout: float | None) -> None:
-        """Wait for `left` reads in flight (their results are not wanted any more)."""
-        while left > 0:
-            ts = _Timespec(int(timeout), int((timeout % 1) * 1e9)) if timeout else None
-            n = _libc.syscall(self._getevents, ctypes.c_ulong(self._ctx), ctypes.c_long(1),
-                              ctypes.c_long(self.depth), events,
-                              ctypes.byref(ts) if ts is not None else None)
-            if n < 0 and ctypes.get_errno() == errno.EINTR:
-                continue
-            if n <= 0:
-                raise TimeoutError(f"no read completed in {timeout:g} s")
-            left -= n
 
     def close(self) -> None:
         if self._ctx:

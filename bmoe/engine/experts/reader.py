@@ -8,10 +8,9 @@ system refuses O_DIRECT (tmpfs, some FUSE), or a direct read fails with EINVAL, 
 reader falls back to buffered reads of the exact slice and says so (`odirect` false).
 
 With `io-threads` above 1 and direct reads, one layer's reads go through Linux AIO
-(`aio.py`): the caller moves each slice's pages into place and submits its read at once,
-then the next slice's (up to `AIO_DEPTH` in flight), and waits for all, so no other
-thread of ours changes or flushes the page tables while the reads run (aio.py gives the
-figures) and the moves of the later slices overlap the first reads. Without AIO
+(`aio.py`): the caller moves every slice's pages into place, submits every read at once
+(up to `AIO_DEPTH` in flight) and waits for all, so no other thread of ours changes or
+flushes the page tables while the reads run (aio.py gives the figures). Without AIO
 the lanes are threads (`os.preadv` releases the GIL): one layer's reads are spread over
 them by bytes, each lane moving its slices' pages before it reads them.
 
@@ -120,9 +119,8 @@ class ExpertReader:
         self.use_direct = False
         self.fallback_reason = ""
         self.recycle = True
-        # how several reads run: "aio" (the caller moves each slice's pages and submits its
-        # read at once, the reads all in flight together: aio.py), "aio-first" (every move,
-        # then every read submitted), "pipe" (the caller, each read handed to the
+        # how several reads run: "aio" (the caller moves every slice's pages, then submits
+        # every read at once: aio.py), "pipe" (the caller, each read handed to the
         # lanes as soon as its pages are in place), "lanes" (the lane, before its read),
         # "first" (the caller, all before any read is dispatched)
         self.mode = "aio"
@@ -186,7 +184,7 @@ class ExpertReader:
             pool = self._pool or self._solo
             assert pool is not None
             n = self._waited([pool.submit(self._run, reads)])
-        elif self.aio is not None and self.use_direct and self.mode in ("aio", "aio-first"):
+        elif self.aio is not None and self.use_direct and self.mode == "aio":
             n = self._submitted(reads)
         elif self.mode == "pipe":
             n = self._piped(reads)
@@ -220,40 +218,26 @@ class ExpertReader:
         return sum(f.result() for f in futures)
 
     def _submitted(self, reads: list[Read]) -> int:
-        """Every read in flight at once through AIO, on this thread: in mode "aio" each
-        read is submitted as soon as its slice's pages are moved into place, so the moves
-        of the next slices run while the first are on the device; in "aio-first" every
-        move comes first. A read the kernel refused or cut short is done again the
-        synchronous way (which falls back to buffered reads, or raises, as a lane would)."""
+        """Every page move here, then every read in flight at once through AIO; a read
+        the kernel refused or cut short is done again the synchronous way (which falls
+        back to buffered reads, or raises, as a lane would)."""
         assert self.aio is not None
-        reads = sorted(reads, key=lambda r: -r.length)    # the longest on the device first
+        for r in reads:
+            self._recycle(r.moves)
         plain = [Read(r.offset, r.length, r.buffer, r.at) for r in reads]
         extents = [self._extent(r) for r in plain]
-        moved = [False] * len(reads)
-
-        def move(i: int) -> None:
-            self._recycle(reads[i].moves)
-            moved[i] = True
-
-        before = None
-        if self.mode == "aio-first":
-            for i in range(len(reads)):
-                move(i)
-        else:
-            before = move
         try:
             results = self.aio.pread_all(self.direct_fd, [(r.buffer.base + start, n, lo)
                                                          for r, (lo, start, n) in
-                                                         zip(plain, extents, strict=True)],
-                                         before)
+                                                         zip(plain, extents, strict=True)])
         except TimeoutError:
             raise self.give_up() from None
         total, again = 0, []
-        for i, (r, (lo, _, _), got) in enumerate(zip(plain, extents, results, strict=True)):
+        for r, (lo, _, _), got in zip(plain, extents, results, strict=True):
             if got > 0 and lo + got >= r.offset + r.length:
                 total += got
             else:
-                again.append(r if moved[i] else reads[i])
+                again.append(r)
         if again:                  # on the lanes, so a hung retry is waited on with a timeout
             assert self._pool is not None
             total += self._waited([self._pool.submit(self._one, r) for r in again])
