@@ -179,6 +179,7 @@ def test_load_all_matches(models: dict[str, Path]) -> None:
         assert st.summary()["cache_hit_pct"] == 100.0
         assert st.load_info["load_all_mib"] == pytest.approx(3.0, abs=0.05)
         assert st.stats()["read_bytes"] == 0       # nothing read after the load
+        assert "page_folios" not in st.load_info   # nothing turns over: no fresh pages
 
     assert streamed(models["moe"], check, **{"load-all": True}) == resident(models, "moe")
 
@@ -243,6 +244,8 @@ def test_prefill_read_ahead_needs_room_for_two_layers(models: dict[str, Path]) -
         assert isinstance(st, ExpertStreamer)
         assert st.load_info["prefill_ahead"].startswith("off: the cache (1 MiB) holds fewer")
         assert st.queue is None and not st.summary()["prefill_ahead"]
+        from bmoe.engine.experts.memory import folio_note
+        assert st.load_info["page_folios"] == folio_note()     # a cache that turns over
     finally:
         s.close()
 
@@ -1049,6 +1052,38 @@ def test_no_page_supply_where_the_kernel_has_no_huge_pages(
     assert memory.thp_mode() == "never" and not memory.PageSupply().enabled
     monkeypatch.setattr(memory, "THP_ENABLED", str(tmp_path / "missing"))
     assert memory.thp_mode() == "" and not memory.PageSupply().enabled
+
+
+def _fake_thp(root: Path, top: str, sizes: dict[int, str]) -> Path:
+    """A /sys/kernel/mm/transparent_hugepage of our own: the top mode and per-size ones."""
+    root.mkdir()
+    modes = ("always", "madvise", "never")
+    (root / "enabled").write_text(" ".join(f"[{m}]" if m == top else m for m in modes) + "\n")
+    for kib, mode in sizes.items():
+        (root / f"hugepages-{kib}kB").mkdir()
+        choices = ("always", "inherit", "madvise", "never")
+        (root / f"hugepages-{kib}kB" / "enabled").write_text(
+            " ".join(f"[{m}]" if m == mode else m for m in choices) + "\n")
+    return root
+
+
+def test_the_folios_fresh_pages_come_in_are_read_from_the_kernels_settings(
+        tmp_path: Path) -> None:
+    from bmoe.engine.experts.memory import anon_folio_sizes, folio_note
+
+    off = _fake_thp(tmp_path / "off", "madvise",
+                    {16: "never", 64: "never", 128: "madvise", 2048: "inherit"})
+    assert anon_folio_sizes(str(off)) == []        # madvise / inherit of madvise: not ours
+    assert "4 KiB pages" in folio_note(str(off))
+    assert f"echo always > {off}/hugepages-64kB/enabled" in folio_note(str(off))
+    on = _fake_thp(tmp_path / "on", "madvise", {16: "always", 64: "always", 2048: "always"})
+    assert anon_folio_sizes(str(on)) == [16, 64]   # 2 MiB pages are the page supply's
+    assert folio_note(str(on)) == "fresh pages come in folios of up to 64 KiB"
+    inherit = _fake_thp(tmp_path / "inherit", "always", {32: "inherit", 64: "never"})
+    assert anon_folio_sizes(str(inherit)) == [32]
+    old = _fake_thp(tmp_path / "old", "always", {})       # a kernel before multi-size THP
+    assert anon_folio_sizes(str(old)) == [] and "no smaller huge pages" in folio_note(str(old))
+    assert anon_folio_sizes(str(tmp_path / "missing")) == []
 
 
 @pytest.mark.parametrize("values", [{"cache-mb": 16, "huge-pages": True},

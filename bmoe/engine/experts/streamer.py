@@ -94,6 +94,7 @@ from .memory import (
     MappingProbe,
     PageSupply,
     drop_mapped,
+    folio_note,
     map_count,
     max_map_count,
     page_ceil,
@@ -278,6 +279,8 @@ class ExpertStreamer:
         if (self.reader.recycle and self.values.get("huge-pages", False)
                 and self.budget.mode != "all" and self.budget.bytes < self.layout.expert_bytes):
             self.reader.supply = PageSupply()
+        if self.budget.bytes < self.layout.expert_bytes and self.reader.supply is None:
+            self.load_info["page_folios"] = folio_note()
         if self.budget.mode == "all":
             self._load_all()
         elif self.prefetch and isinstance(self.cache, ExpertCache):
