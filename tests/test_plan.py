@@ -73,6 +73,9 @@ def test_a_moe_larger_than_memory_streams_with_a_cache_that_fits() -> None:
     assert body["values"]["threads"] == 2 and body["values"]["io-threads"] == 2
     assert "--cache-mb" in body["args"]
     assert body["summary"]["sentence"].startswith("Experts stream from storage")
+    # a cache that turns over reads ahead, and the first answer tries it overlapped
+    assert body["values"]["prefetch"] == 2 and "--prefetch" in body["args"]
+    assert any(d["knob"] == "trial-overlap" for d in body["decisions"])
     p = body["predicted"]
     assert 0 < p["s_per_token"] < p["s_per_token_worst"]
     assert 0 < p["cache_hit_pct"] < 100
@@ -407,3 +410,15 @@ def test_streaming_under_a_small_cache_grows_the_prompt_batch() -> None:
     roomy = plan_for(moe_facts(experts=1 * GIB), memory(8 * GIB),
                      {"moe-stream": True}).to_json()
     assert roomy["regime"] == "experts-stream" and "ubatch-size" not in roomy["values"]
+    assert roomy["values"]["prefetch"] == 0       # every expert fits: nothing to guess
+    assert not any(d["knob"] == "trial-overlap" for d in roomy["decisions"])
+
+
+def test_the_operators_read_ahead_is_kept() -> None:
+    body = plan_for(moe_facts(), memory(2 * GIB), {"prefetch": 0}).to_json()
+    knobs = {d["knob"]: d for d in body["decisions"]}
+    assert knobs["prefetch"]["source"] == "operator" and "prefetch" not in body["values"]
+    assert "trial-overlap" not in knobs
+    deep = plan_for(moe_facts(), memory(2 * GIB), {"prefetch": 3}).to_json()
+    assert {d["knob"]: d for d in deep["decisions"]}["prefetch"]["value"] == 3
+    assert any(d["knob"] == "trial-overlap" for d in deep["decisions"])

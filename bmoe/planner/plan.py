@@ -470,6 +470,7 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
                   + f". One token cycle is {size_text(p.token_cycle_bytes)}, a batch's "
                   f"experts of one layer {size_text(b.batch.layer)} and all the "
                   f"experts {size_text(p.expert_bytes)}.")
+        _decide_read_ahead(b)
     trial = inp.trial
     if b.user("threads"):
         b.operator("threads")
@@ -535,6 +536,33 @@ def _decide_knobs(b: _Builder, regime: str, ctx: int, cache: int, kv_tok: int,
               "memory-budget"].text)
 
 
+READ_AHEAD_DEPTH = 2      # the streaming bench's depth: 1 and 3 were no better
+
+
+def _decide_read_ahead(b: _Builder) -> None:
+    """``prefetch``: read-ahead when the cache turns over (some experts are read per
+    token); off when it holds every expert, where guessing only costs."""
+    if b.user("prefetch"):
+        b.operator("prefetch")
+        return
+    cache_mib = b.values.get("cache-mb", b.inp.values.get("cache-mb"))
+    if not isinstance(cache_mib, int):
+        return
+    if cache_mib * MIB < b.p.expert_bytes:
+        b.add("prefetch", READ_AHEAD_DEPTH, "policy",
+              f"{READ_AHEAD_DEPTH} layers: the cache holds part of the experts; the next "
+              "layers' are guessed and read before they are routed.",
+              "After each layer the engine applies the next layers' routers to its hidden "
+              "state and reads the guesses it lacks; a wrong guess costs bandwidth, never "
+              "a wrong answer. Measured under a memory cap of 40 % of the file (2 threads): "
+              "a 12-layer slice of gpt-oss-120b decoded at 0.075 s/token with it against "
+              "0.107 without, one of Qwen3-30B-A3B at 0.043 against 0.062; 98 % of the "
+              "routed experts had been guessed.")
+    else:
+        b.add("prefetch", 0, "policy", "Off: the cache holds every expert, so once read "
+              "none is read again and guessing would only cost.")
+
+
 def _decide_trials(b: _Builder, stream: bool) -> None:
     """``trial-threads`` / ``trial-overlap`` until the first answer has measured them on
     this model (``bmoe/engine/calibrate.py``); ``overlap`` from the verdict once it has."""
@@ -550,7 +578,7 @@ def _decide_trials(b: _Builder, stream: bool) -> None:
                   "The matmul probe times one expert's product, not a whole decode step; "
                   "the first answer decodes in alternating windows of both counts and "
                   "the verdict is kept for the next plan of this model.")
-    prefetch = int(inp.values.get("prefetch") or 0)
+    prefetch = int(b.values.get("prefetch", inp.values.get("prefetch")) or 0)
     if not stream or prefetch <= 0:
         return
     if b.user("overlap"):
