@@ -422,3 +422,23 @@ def test_the_operators_read_ahead_is_kept() -> None:
     deep = plan_for(moe_facts(), memory(2 * GIB), {"prefetch": 3}).to_json()
     assert {d["knob"]: d for d in deep["decisions"]}["prefetch"]["value"] == 3
     assert any(d["knob"] == "trial-overlap" for d in deep["decisions"])
+
+
+def test_an_operators_context_that_does_not_fit_is_refused_with_one_that_does() -> None:
+    """The plan never shrinks the operator's context: one whose KV cache does not fit
+    beside the weights is refused (not loaded to be killed by the memory limit), and the
+    sentence names a context that fits."""
+    import re
+
+    huge = plan_for(moe_facts(), memory(2 * GIB), {"ctx-size": 400_000})
+    assert huge.regime == "will_not_fit" and not huge.fits
+    m = re.search(r"a context of up to (\d+) tokens fits", huge.sentence)
+    assert m and "a context of 400000 tokens needs" in huge.sentence, huge.sentence
+    fits = int(m.group(1))
+    ok = plan_for(moe_facts(), memory(2 * GIB), {"ctx-size": fits}).to_json()
+    assert ok["regime"] == "experts-stream"
+    assert ok["memory"]["pools"][0]["held_bytes"] <= 2 * GIB
+    over = plan_for(moe_facts(), memory(2 * GIB), {"ctx-size": fits + 2048})
+    assert over.regime == "will_not_fit"
+    # without the operator's context the plan fits one itself
+    assert plan_for(moe_facts(), memory(2 * GIB)).regime == "experts-stream"

@@ -195,6 +195,11 @@ def test_under_a_cap_the_plan_streams_and_the_load_succeeds(
         cache = plan["values"]["cache-mb"] * MIB
         cycle = plan["measurements"]["model"]["token_cycle_bytes"]
         assert cycle <= cache < cap.limit
+        # a cache smaller than the experts turns over: the plan reads ahead, and the
+        # streamer guesses the next layers from their routers
+        assert cache < plan["measurements"]["model"]["expert_bytes"]
+        assert plan["values"]["prefetch"] == 2
+        assert notes["predictor"].startswith("router, "), notes
         assert plan["memory"]["pools"][0]["held_bytes"] <= cap.limit
         assert plan["memory"]["pools"][0]["cap_bytes"] < cap.limit
         # plain mmap would have to hold the whole file in a cap smaller than it

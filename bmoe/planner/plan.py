@@ -310,6 +310,14 @@ def make_plan(inp: PlanInputs) -> Plan:
     pools = _ledger(b, regime, cache, kv_tok * ctx, budget, ctx)
     floor = stream_floor(p) if stream_ok else whole
     sentence = _sentence(regime, cache, floor, budget, p.is_moe)
+    if regime == "will_not_fit" and b.user("ctx-size") and budget:
+        fits = _ctx_that_fits(b, budget, kv_tok, whole, stream_ok)
+        if fits >= CTX_STEP:       # the weights fit: the operator's context does not
+            kv = (kv_tok + b.batch.mask_tok) * ctx
+            sentence = (f"Will not fit: a context of {ctx} tokens needs {size_text(kv)} "
+                        f"beside the weights and this process may hold "
+                        f"{size_text(budget)}; a context of up to {fits} tokens fits "
+                        "(--ctx-size).")
     b.decisions.insert(0, Decision("regime", "notes", regime, value_text("regime", regime),
                                    "derived", sentence, _regime_reason(b, regime, budget,
                                                                       leave, whole)))
@@ -336,7 +344,8 @@ def _regime(b: _Builder, budget: int, leave: int, kv_tok: int, whole: int,
             stream_ok: bool) -> tuple[str, int]:
     p, batch = b.p, b.batch
     want_ctx = _ctx_wanted(b)
-    ctx_min = min(want_ctx, CTX_ADVICE)
+    user_ctx = b.user("ctx-size")     # the operator's context is never shrunk: it must fit
+    ctx_min = want_ctx if user_ctx else min(want_ctx, CTX_ADVICE)
     user_stream = b.inp.values.get("moe-stream") if b.user("moe-stream") else None
     kv_tok += batch.mask_tok          # a context token costs its KV and its batch mask
     fixed = whole + RUNTIME_RESERVE + batch.compute
@@ -348,7 +357,7 @@ def _regime(b: _Builder, budget: int, leave: int, kv_tok: int, whole: int,
         room = budget - p.dense_bytes - experts - RUNTIME_RESERVE - batch.streamed
         if budget and room - leave >= kv_tok * ctx_min:
             return "experts-stream", _ctx_fit(b, room - leave, kv_tok, budget, stream=True)
-        if budget and room >= kv_tok * CTX_STEP:
+        if budget and room >= kv_tok * (ctx_min if user_ctx else CTX_STEP):
             return "experts-stream", _ctx_fit(b, room, kv_tok, budget, stream=True)
         return "will_not_fit", ctx_min
     if not budget:
@@ -357,6 +366,20 @@ def _regime(b: _Builder, budget: int, leave: int, kv_tok: int, whole: int,
     if not p.is_moe:
         return "will_not_fit", ctx_min
     return "plain mmap", ctx_min
+
+
+def _ctx_that_fits(b: _Builder, budget: int, kv_tok: int, whole: int, stream_ok: bool) -> int:
+    """The largest context (a multiple of CTX_STEP) beside what must stay resident: the
+    streamed floor (dense weights, one token cycle or a batch's layer of experts) where the
+    experts stream, else the whole file."""
+    p, batch = b.p, b.batch
+    if stream_ok and not (b.user("moe-stream") and b.inp.values.get("moe-stream") is False):
+        room = (budget - p.dense_bytes - max(p.token_cycle_bytes, batch.layer)
+                - RUNTIME_RESERVE - batch.streamed)
+    else:
+        room = budget - whole - RUNTIME_RESERVE - batch.compute
+    per = kv_tok + batch.mask_tok
+    return max(0, int(room // per) // CTX_STEP * CTX_STEP) if per > 0 else 0
 
 
 def _ctx_wanted(b: _Builder) -> int:
