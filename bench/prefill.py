@@ -238,7 +238,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--prompts", default="1024,8192,32768", help="prompt sizes, tokens")
-    p.add_argument("--modes", default="resident,stream,plan,mmap")
+    p.add_argument("--modes", default="resident,stream,plan,mmap",
+                   help="the prompts' runs (an empty list runs only the agent's two requests)")
     p.add_argument("--cap-frac", type=float, default=0.4)
     p.add_argument("--agent-prefix", type=int, default=0,
                    help="the agent's prefix, tokens (default the largest prompt; 0 skips "
@@ -263,7 +264,7 @@ def main(argv: list[str]) -> int:
     try:
         for n in sizes:
             base = None
-            for mode in args.modes.split(","):
+            for mode in [m for m in args.modes.split(",") if m]:
                 r = run_mode(mode, model, all_ids[:n], args)
                 if mode == "resident" and r["outcome"] == "answered":     # the baseline
                     base = r["tok_s"]
