@@ -195,6 +195,11 @@ class Runtime:
                 self._current_cancel = None
             self.publish_state()
 
+    @property
+    def active_requests(self) -> int:
+        """Requests to routes that run the model, under way now."""
+        return self._active
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """A request to a route that runs the model: while one is under way the model

@@ -28,7 +28,8 @@ from ..service import cli as service_cli
 from ..service import logtee
 from ..service.autoload import AutoloadState, with_autoload
 from ..service.stopping import watch_signals
-from . import backends_routes, launch_files, llama_compat, llama_flags, models_cli, models_routes, plan_routes, sleep
+from . import (backends_routes, launch_files, llama_compat, llama_flags, models_cli, models_routes,
+               plan_routes, sleep, trim)
 from .routes import build_routes
 from .shapes import error_shaper
 
@@ -252,6 +253,7 @@ async def serve(options: ServerOptions, launch: dict[str, Any], policy: access.A
                     await nursery.start(models_routes.run, state)
                     await nursery.start(plan_routes.run, state)
                     await nursery.start(agent_api.run, state)
+                    await nursery.start(trim.run, state)
                     if sleep.seconds(args):
                         await nursery.start(sleep.run, state, sleep.seconds(args))
                     await _start(nursery, state, app, policy, options, args)
