@@ -15,6 +15,7 @@ NATIVE = sorted((HERE / "bmoe" / "native").glob("*.c"))
 
 setup(ext_modules=[
     Extension(f"bmoe.native.{src.stem}", [str(src.relative_to(HERE))],
-              extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"])
+              extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
+              libraries=["m"])
     for src in NATIVE
 ])

@@ -35,6 +35,7 @@ from bmoe.engine.experts.budget import MIB, resolve
 from bmoe.engine.experts.cache import ExpertCache, NoCache
 from bmoe.engine.experts.layout import read_layout
 from bmoe.engine.experts.memory import AnonBuffer, physical_runs
+from bmoe.engine.experts.predict import Predictor, router_input
 from bmoe.engine.experts.streamer import take_spare
 from bmoe.modelmaker import make_model
 from bmoe.engine.session import Session
@@ -765,11 +766,17 @@ def test_without_the_extension_the_python_callback_runs(
     assert streamed(models["moe"], check, **{"cache-mb": 2}) == resident(models, "moe")
 
 
+@pytest.mark.parametrize("field,shift,problem", [
+    (3, 8, "nb reads [12, 60], expected [4, 12]"),      # nb[1] read for nb[0]
+    (9, 4, "read type reads (0, 0), expected (0, 1)"),  # the padding read for type
+    (10, 8, "read view_src reads 8, expected"),          # view_offs read for view_src
+], ids=["nb", "type", "view_src"])
 def test_a_native_side_reading_a_wrong_offset_falls_back(
-        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, field: int, shift: int,
+        problem: str) -> None:
     right = ggml.native_layout()
     wrong = list(right)
-    wrong[3] += 8                      # nb: the C side would read nb[1] for nb[0]
+    wrong[field] += shift
     monkeypatch.delenv(evalcb.ENV, raising=False)
     monkeypatch.setattr(ggml, "native_layout", lambda: wrong)
 
@@ -777,7 +784,7 @@ def test_a_native_side_reading_a_wrong_offset_falls_back(
         assert st.native is None
         why = st.load_info["eval_callback"]
         assert why.startswith("python: the native callback reads the layout probe wrongly")
-        assert "nb reads [12, 60], expected [4, 12]" in why
+        assert problem in why, why
 
     assert streamed(models["moe"], check, **{"cache-mb": 2}) == resident(models, "moe")
 
@@ -806,6 +813,107 @@ def test_a_failure_in_the_native_callback_is_an_error_and_the_session_recovers(
         assert not s.streamer.stats()["cb_binding"]
     finally:
         s.close()
+
+
+# -- read-ahead guesses made in C ------------------------------------------------------------
+
+
+def numpy_guess(routers: dict[int, np.ndarray], n_layer: int, k: int, depth: int, gate: float,
+                layer: int, h: np.ndarray | None) -> list[tuple[int, list[int]]]:
+    """What the numpy predictor guesses with the routers rounded to bfloat16, as C has them."""
+    rounded = {j: evalcb.from_bf16(evalcb.to_bf16(w)) for j, w in routers.items()}
+    return [(j, g.tolist()) for j, g in
+            Predictor(rounded, n_layer, k, depth, gate).guesses(layer, h)]
+
+
+@pytest.mark.parametrize("gate", [0.0, 0.02])
+def test_c_guesses_equal_numpys_on_bfloat16_routers(gate: float) -> None:
+    rng = np.random.default_rng(7)
+    n_layer, n_expert, n_embd, k, depth = 6, 128, 2880, 4, 2
+    routers = {j: rng.standard_normal((n_expert, n_embd), dtype=np.float32) * 0.05
+               for j in (1, 2, 3, 5)}                      # layer 4 has no float router
+    cb = evalcb.NativeCallback(lambda *_: True, lambda _: 0)
+    assert cb.guess(routers, n_layer, n_expert, depth, k, gate)
+    compared = 0
+    for trial in range(40):
+        h = rng.standard_normal(n_embd, dtype=np.float32) * (1 + trial % 5)
+        for layer in range(n_layer):
+            rows = cb.guess_for(layer, h)
+            pred = Predictor({}, n_layer, k, depth, gate)
+            got = [(j, g.tolist()) for j, g in pred.from_rows(layer, rows)]
+            want = numpy_guess(routers, n_layer, k, depth, gate, layer, h)
+            want = [(j, g) for j, g in want if j != 4]     # numpy falls back to "previous"
+            assert got == want, (trial, layer)
+            for d in range(depth):                         # what C says of each next layer
+                j = layer + 1 + d
+                if j >= n_layer or j not in routers:
+                    assert rows[d, 0] == (-2 if j >= n_layer else -1)
+                else:
+                    assert 0 <= rows[d, 0] <= k
+            compared += len(want)
+    assert compared > 200
+    # where C had no router (-1), the layer's previous routing is the guess, as in numpy
+    pred = Predictor({}, n_layer, k, depth, gate)
+    pred.last[4] = np.array([5, 6, 7, 8])
+    rows = cb.guess_for(3, np.ones(n_embd, dtype=np.float32))
+    assert rows[0, 0] == -1 and rows[1, 0] >= 0
+    assert [j for j, _ in pred.from_rows(3, rows)] == [4, 5][:1 + (rows[1, 0] > 0)]
+    assert pred.from_rows(3, rows)[0][1].tolist() == [5, 6, 7, 8]
+    if gate:          # flat logits: none passes the gate; a sharp router: some do
+        flat, sharp = (cb.guess_for(0, rng.standard_normal(n_embd, dtype=np.float32) * s)[0, 0]
+                       for s in (0.01, 20))
+        assert flat == 0 and 1 <= sharp <= k
+
+
+def test_c_guesses_of_a_broken_router_input_are_empty_not_a_crash() -> None:
+    rng = np.random.default_rng(1)
+    routers = {1: rng.standard_normal((8, 64), dtype=np.float32)}
+    cb = evalcb.NativeCallback(lambda *_: True, lambda _: 0)
+    assert cb.guess(routers, 2, 8, 1, 4, 0.0)
+    for bad in (np.full(64, np.nan), np.full(64, np.inf), np.full(64, -np.inf)):
+        rows = cb.guess_for(0, bad.astype(np.float32))
+        assert 0 <= rows[0, 0] <= 4                   # NaN logits are never taken
+        assert all(0 <= e < 8 for e in rows[0, 1:1 + rows[0, 0]])
+    # shapes C does not take leave guessing off
+    assert not cb.guess({1: routers[1], 0: np.zeros((8, 32), np.float32)}, 2, 8, 1, 4, 0.0)
+    assert not cb.guess(routers, 2, 8, 3, 4, 0.0)           # deeper than the model
+    assert not cb.guess(routers, 2, 16, 1, 4, 0.0)          # rows != experts
+    assert not cb.guess(routers, 2, 8, 1, 4, 1.5)           # a gate above 1
+
+
+@pytest.mark.parametrize("name", ["moe", "moe-f16"])
+def test_the_callbacks_guesses_are_numpys_from_the_graphs_router_input(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """On llama.cpp's real graph: the C side finds each layer's router input itself and
+    guesses what numpy guesses from the input Python finds (bfloat16 routers both)."""
+    monkeypatch.delenv(evalcb.ENV, raising=False)
+    seen: list[tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]]] = []
+    original = ExpertStreamer._read_ahead
+
+    def checking(self: ExpertStreamer, layer: int, node: int) -> None:
+        assert self.native is not None and self.native.guess_rows is not None
+        assert self.predictor is not None
+        got = [(j, g.tolist()) for j, g in
+               self.predictor.from_rows(layer, self.native.guess_rows)]
+        h = router_input(ggml.tensor_at(node), layer)
+        p = self.predictor
+        want = numpy_guess(p.routers, p.n_layer, p.k, p.depth, p.gate, layer, h)
+        seen.append((got, want))
+        original(self, layer, node)
+
+    monkeypatch.setattr(ExpertStreamer, "_read_ahead", checking)
+
+    def check(st: ExpertStreamer) -> None:
+        assert "guessed in C" in st.load_info["predictor"]
+        stats = st.stats()
+        assert stats["cb_guessed"] > 0 and stats["cb_guess_missing"] == 0
+        check_read_ahead(st)
+
+    cap = 2 if name == "moe" else 1    # below every expert (3 / 1.5 MiB)
+    got = streamed(models[name], check, **{"cache-mb": cap, "prefetch": 2, "overlap": True})
+    assert got == resident(models, name)
+    assert len(seen) > 20 and sum(len(w) for _, w in seen) > 40
+    assert all(g == w for g, w in seen)
 
 
 # -- telemetry -----------------------------------------------------------------------------

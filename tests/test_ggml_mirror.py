@@ -38,7 +38,8 @@ def test_the_native_side_reads_the_probe_as_the_mirror_does() -> None:
     cb = _native()
     assert cb.fn and cb.user_data
     assert cb.stats() == {"asks": 0, "bind_calls": 0, "route_calls": 0, "binding": True,
-                          "resident_routes": 0, "resident_hits": 0, "resident": False}
+                          "resident_routes": 0, "resident_hits": 0, "resident": False,
+                          "guessed": 0, "guess_missing": 0}
     assert cb.resident(True, 4, 8) and cb.stats()["resident"]
     assert not cb.resident(True, 4, 1 << 20)      # more experts than the C side counts
 
@@ -53,3 +54,10 @@ def test_the_native_side_refuses_a_wrong_offset() -> None:
     outside[0] = layout[6]                                   # op past the struct's end
     with pytest.raises(evalcb.NativeUnavailable, match="outside the tensor"):
         _native(outside)
+    for field in (9, 10):                                    # type, view_src
+        outside = list(layout)
+        outside[field] = layout[6] - 2                       # across the struct's end
+        with pytest.raises(evalcb.NativeUnavailable, match="outside the tensor"):
+            _native(outside)
+    with pytest.raises(evalcb.NativeUnavailable, match="outside the tensor"):
+        _native(layout[:-1])                                 # an older extension's count

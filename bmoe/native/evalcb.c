@@ -16,6 +16,14 @@
  *     evaluation only): their ask phase goes to Python's `bind` function, which returns
  *     how many tensors are still unbound; at 0 we stop forwarding them.
  *
+ * With read-ahead on (`bmoe_evalcb_guess`), a one-token graph's routing node also has the
+ * next layers' experts guessed here before Python's `route` runs: layer l's router input
+ * h (found from the topk view: argsort -> probs -> "ffn_moe_logits-<l>" -> src[1]) times
+ * the routers of layers l+1 .. l+depth, which Python hands over in bfloat16 (half the
+ * bytes of the float32 product numpy did: these products run beside the expert matmuls
+ * and are bound by memory), the top k kept where their softmax probability passes the
+ * gate. The ids go into rows Python owns and reads in `route` (predict.Predictor.from_rows).
+ *
  * Every other node is answered here ("no") without entering Python: about 1,300 nodes
  * per token on the benchmark model, which cost 2-7 ms per token as a ctypes callback.
  *
@@ -35,7 +43,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -49,13 +59,14 @@ typedef int32_t (*bind_fn)(void *node);
 typedef bool (*eval_fn)(void *node, bool ask, void *user_data);
 
 /* The order of the offsets array handed to bmoe_evalcb_init. */
-enum { L_OP, L_NAME, L_NE, L_NB, L_DATA, L_SRC, L_SIZE, L_OP_VIEW, L_OP_MUL_MAT_ID, L_COUNT };
+enum { L_OP, L_NAME, L_NE, L_NB, L_DATA, L_SRC, L_SIZE, L_OP_VIEW, L_OP_MUL_MAT_ID, L_TYPE,
+       L_VIEW_SRC, L_TYPE_F32, L_COUNT };
 
 typedef struct {
     uint32_t magic;
     int32_t binding;           /* 1 while Python still rebinds expert tensors */
-    size_t op, name, ne, nb, data, src;
-    int32_t op_view, op_mul_mat_id;
+    size_t op, name, ne, nb, data, src, type, view_src;
+    int32_t op_view, op_mul_mat_id, type_f32;
     route_fn route;
     bind_fn bind;
     eval_fn forward;           /* when set, every call goes to it (the Python callback) */
@@ -69,6 +80,15 @@ typedef struct {
     int32_t *rec;              /* Python's [rec_layers][rec_k] rows: a one-token graph's */
     int32_t rec_layers, rec_k; /* routing, written here while resident (routing records) */
     int32_t local_layers;      /* layers from here on are held by an RPC helper: not ours */
+    /* read-ahead guesses (bmoe_evalcb_guess), all arrays owned by Python */
+    const uint16_t *g_w;       /* bf16 routers [g_layers][g_experts][g_embd] */
+    const uint8_t *g_has;      /* [g_layers]: 1 where the layer's router is in g_w */
+    int32_t *g_out;            /* [g_depth][1 + g_k]: a count, then the ids */
+    float *g_logits;           /* [g_experts] scratch */
+    int32_t g_layers, g_experts, g_embd, g_depth, g_k;
+    float g_gate;
+    uint64_t g_rows;           /* layers guessed here from their router */
+    uint64_t g_missing;        /* layers not guessed here: no router, or no router input */
 } state_t;
 
 static const char TOPK[] = "ffn_moe_topk-";
@@ -87,7 +107,8 @@ EXPORT int bmoe_evalcb_init(void *state, const int64_t *lay, int32_t count, rout
     int64_t size = lay[L_SIZE];
     struct { int64_t off, len, align; } f[] = {
         {lay[L_OP], 4, 4}, {lay[L_NAME], NAME_MAX_LEN, 1}, {lay[L_NE], 16, 8},
-        {lay[L_NB], 16, 8}, {lay[L_DATA], 8, 8}, {lay[L_SRC], 8, 8},
+        {lay[L_NB], 16, 8}, {lay[L_DATA], 8, 8}, {lay[L_SRC], 16, 8}, {lay[L_TYPE], 4, 4},
+        {lay[L_VIEW_SRC], 8, 8},
     };
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
         if (f[i].off < 0 || f[i].off + f[i].len > size || f[i].off % f[i].align)
@@ -99,8 +120,11 @@ EXPORT int bmoe_evalcb_init(void *state, const int64_t *lay, int32_t count, rout
     st->nb = (size_t)lay[L_NB];
     st->data = (size_t)lay[L_DATA];
     st->src = (size_t)lay[L_SRC];
+    st->type = (size_t)lay[L_TYPE];
+    st->view_src = (size_t)lay[L_VIEW_SRC];
     st->op_view = (int32_t)lay[L_OP_VIEW];
     st->op_mul_mat_id = (int32_t)lay[L_OP_MUL_MAT_ID];
+    st->type_f32 = (int32_t)lay[L_TYPE_F32];
     st->route = route;
     st->bind = bind;
     st->binding = binding ? 1 : 0;
@@ -120,7 +144,8 @@ EXPORT int bmoe_evalcb_local(void *state, int32_t n) {
 }
 
 /* The fields this file reads, read from `node` with the state's offsets (for the check at
- * load): op, ne[0], ne[1], nb[0], nb[1], data, src[0], the name's address. */
+ * load): op, ne[0], ne[1], nb[0], nb[1], data, src[0], the name's address, type, view_src,
+ * src[1]. */
 EXPORT int bmoe_evalcb_read(const void *state, const void *node, int64_t *out) {
     const state_t *st = state;
     if (!st || st->magic != STATE_MAGIC || !node || !out)
@@ -134,10 +159,14 @@ EXPORT int bmoe_evalcb_read(const void *state, const void *node, int64_t *out) {
     out[5] = (int64_t)(intptr_t)*(void *const *)(p + st->data);
     out[6] = (int64_t)(intptr_t)((void *const *)(p + st->src))[0];
     out[7] = (int64_t)(intptr_t)(p + st->name);
+    out[8] = *(const int32_t *)(p + st->type);
+    out[9] = (int64_t)(intptr_t)*(void *const *)(p + st->view_src);
+    out[10] = (int64_t)(intptr_t)((void *const *)(p + st->src))[1];
     return 0;
 }
 
-/* asks, bind_calls, route_calls, binding, resident_routes, resident_hits, resident. */
+/* asks, bind_calls, route_calls, binding, resident_routes, resident_hits, resident,
+ * guessed (layers guessed here from their router), guess_missing. */
 EXPORT void bmoe_evalcb_stats(const void *state, uint64_t *out) {
     const state_t *st = state;
     out[0] = st->asks;
@@ -147,6 +176,8 @@ EXPORT void bmoe_evalcb_stats(const void *state, uint64_t *out) {
     out[4] = st->resident_routes;
     out[5] = st->resident_hits;
     out[6] = (uint64_t)st->resident;
+    out[7] = st->g_rows;
+    out[8] = st->g_missing;
 }
 
 /* Send every call to `fn` (a ggml_backend_sched_eval_callback: the streamer's Python
@@ -226,6 +257,160 @@ static int32_t topk_layer(const char *name) {
     return *c == '\0' ? (int32_t)layer : -1;
 }
 
+/* -- read-ahead guesses ------------------------------------------------------------------ */
+
+/* Hand over the routers for read-ahead guesses: `w` bf16 [n_layer][n_expert][n_embd] (the
+ * rows of layers whose `has` is 0 are not read), `out` [depth][1 + k] int32 and `logits`
+ * [n_expert] float, all owned by Python and kept alive by it for as long as the state.
+ * From the next one-token graph on, each routing node of layer l writes into row d of
+ * `out` the guess for layer l+1+d: its count, then that many expert ids, the most probable
+ * first (the top k of w[l+1+d] . h whose softmax probability is >= gate); the count is -1
+ * where layer l+1+d has no router here or h was not found, -2 past the last layer. NULL
+ * `w` turns guessing off. Returns 0, or -1 for a shape this does not take. */
+EXPORT int bmoe_evalcb_guess(void *state, const uint16_t *w, const uint8_t *has,
+                             int32_t n_layer, int32_t n_expert, int32_t n_embd, int32_t depth,
+                             int32_t k, float gate, int32_t *out, float *logits) {
+    state_t *st = state;
+    if (!st || st->magic != STATE_MAGIC)
+        return -1;
+    if (!w) {
+        st->g_w = NULL;
+        return 0;
+    }
+    if (!has || !out || !logits || n_layer <= 0 || n_expert <= 0 || n_expert > MAX_EXPERT
+        || n_embd <= 0 || depth <= 0 || depth > n_layer || k <= 0 || k > n_expert
+        || !(gate >= 0.0f && gate <= 1.0f))
+        return -1;
+    st->g_has = has;
+    st->g_out = out;
+    st->g_logits = logits;
+    st->g_layers = n_layer;
+    st->g_experts = n_expert;
+    st->g_embd = n_embd;
+    st->g_depth = depth;
+    st->g_k = k;
+    st->g_gate = gate;
+    st->g_w = w;
+    return 0;
+}
+
+/* out[i] = sum_j w[i][j] * h[j], w in bfloat16 (the high half of a float32). Built for
+ * each of these instruction sets and chosen at load by the CPU's own cpuid (GCC's
+ * target_clones): every CPU runs one it has. Sixteen partial sums a row, so the loop
+ * vectorises without reordering float additions the compiler may not reorder. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void matvec_bf16(const uint16_t *w, const float *h, int64_t rows, int64_t cols,
+                        float *out) {
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *r = w + i * cols;
+        float acc[16] = {0};
+        int64_t j = 0;
+        for (; j + 16 <= cols; j += 16)
+            for (int q = 0; q < 16; q++) {
+                uint32_t bits = (uint32_t)r[j + q] << 16;
+                float f;
+                memcpy(&f, &bits, sizeof f);
+                acc[q] += f * h[j + q];
+            }
+        float sum = 0.0f;
+        for (int q = 0; q < 16; q++)
+            sum += acc[q];
+        for (; j < cols; j++) {
+            uint32_t bits = (uint32_t)r[j] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            sum += f * h[j];
+        }
+        out[i] = sum;
+    }
+}
+
+/* Layer `layer`'s router input for the graph's last token, found from its topk view the
+ * way predict._router_h finds it, or NULL where the graph differs. */
+static const float *router_input(const state_t *st, const char *topk, int32_t layer) {
+#define PTR(t, off) (*(const char *const *)((t) + (off)))
+    const char *argsort = PTR(topk, st->view_src);
+    if (!argsort)
+        argsort = PTR(topk, st->src);
+    const char *probs = argsort ? PTR(argsort, st->src) : NULL;
+    const char *logits = probs ? PTR(probs, st->src) : NULL;
+    if (!logits)
+        return NULL;
+    char want[NAME_MAX_LEN];
+    snprintf(want, sizeof want, "ffn_moe_logits-%d", (int)layer);
+    if (strncmp(logits + st->name, want, NAME_MAX_LEN) != 0)
+        return NULL;
+    const char *h = PTR(logits + sizeof(void *), st->src);    /* src[1] */
+    if (!h || *(const int32_t *)(h + st->type) != st->type_f32)
+        return NULL;
+    const char *data = PTR(h, st->data);
+    const int64_t *ne = (const int64_t *)(h + st->ne);
+    const size_t *nb = (const size_t *)(h + st->nb);
+    if (!data || ne[0] != st->g_embd || ne[1] < 1 || nb[1] < (size_t)(4 * ne[0]) || nb[1] % 4)
+        return NULL;
+    return (const float *)(data + (size_t)(ne[1] - 1) * nb[1]);
+#undef PTR
+}
+
+/* The guesses of layers layer+1 .. layer+depth from router input `h` (NULL: not found)
+ * into g_out (see bmoe_evalcb_guess). */
+static void guess_from(state_t *st, int32_t layer, const float *h) {
+    int32_t n_expert = st->g_experts, k = st->g_k;
+    float *logits = st->g_logits;
+    for (int32_t d = 0; d < st->g_depth; d++) {
+        int32_t *out = st->g_out + (size_t)d * (size_t)(1 + k);
+        int32_t j = layer + 1 + d;
+        if (j < 0 || j >= st->g_layers) {
+            out[0] = -2;
+            continue;
+        }
+        if (!h || !st->g_has[j]) {
+            out[0] = -1;
+            st->g_missing++;
+            continue;
+        }
+        matvec_bf16(st->g_w + (size_t)j * (size_t)n_expert * (size_t)st->g_embd, h, n_expert,
+                    st->g_embd, logits);
+        float top = -INFINITY;
+        for (int32_t e = 0; e < n_expert; e++)
+            if (logits[e] > top)
+                top = logits[e];
+        float norm = 0.0f;
+        if (st->g_gate > 0.0f)
+            for (int32_t e = 0; e < n_expert; e++)
+                norm += expf(logits[e] - top);
+        /* the k largest, the lower id first among equals (numpy's stable argsort), as far
+         * as their probability passes the gate; a NaN is never taken */
+        int32_t n = 0;
+        uint64_t taken[MAX_EXPERT / 64];
+        memset(taken, 0, sizeof(uint64_t) * (size_t)((n_expert + 63) / 64));
+        while (n < k) {
+            int32_t best = -1;
+            for (int32_t e = 0; e < n_expert; e++)
+                if (!(taken[e >> 6] & ((uint64_t)1 << (e & 63)))
+                    && (best < 0 ? logits[e] == logits[e] : logits[e] > logits[best]))
+                    best = e;
+            if (best < 0)
+                break;
+            if (st->g_gate > 0.0f && !(expf(logits[best] - top) / norm >= st->g_gate))
+                break;
+            taken[best >> 6] |= (uint64_t)1 << (best & 63);
+            out[1 + n++] = best;
+        }
+        out[0] = n;
+        st->g_rows++;
+    }
+}
+
+/* The guess of a router input given by the caller (tests compare it with numpy's). */
+EXPORT int bmoe_evalcb_guess_for(void *state, int32_t layer, const float *h) {
+    state_t *st = state;
+    if (!st || st->magic != STATE_MAGIC || !st->g_w)
+        return -1;
+    guess_from(st, layer, h);
+    return 0;
+}
+
 /* llama.cpp's ggml_backend_sched_eval_callback. */
 EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
     state_t *st = user_data;
@@ -266,6 +451,8 @@ EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
             return true;
         }
     }
+    if (st->g_w && ne[1] == 1 && ne[0] > 0 && layer >= 0)
+        guess_from(st, layer, router_input(st, p, layer));
     st->route_calls++;
     return st->route(node, layer, ne[0], ne[1], (int64_t)nb[1], data);
 }

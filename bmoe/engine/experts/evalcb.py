@@ -15,6 +15,10 @@ int` for each MUL_MAT_ID node's ask phase while tensors remain to rebind, return
 many still do. Both are ctypes callbacks: they run on the engine thread (the one in
 llama_decode), under the GIL, and must not raise.
 
+With read-ahead, `guess(routers, ...)` hands the C side the next layers' routers (in
+bfloat16): a one-token graph's routing then arrives in `route` with the next layers'
+guesses already made in C, in `guess_rows` (see `predict.Predictor.from_rows`).
+
 `BMOE_EVAL_CALLBACK=python` in the environment forces the Python callback (for
 comparisons).
 """
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import llama_cpp as lc
+import numpy as np
 
 from . import ggml
 
@@ -74,6 +79,13 @@ def _library() -> ctypes.CDLL:
         lib.bmoe_evalcb_record.restype = ctypes.c_int
         lib.bmoe_evalcb_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                            ctypes.c_int32]
+        lib.bmoe_evalcb_guess.restype = ctypes.c_int
+        lib.bmoe_evalcb_guess.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                          ctypes.c_int32, ctypes.c_int32, ctypes.c_float,
+                                          ctypes.c_void_p, ctypes.c_void_p]
+        lib.bmoe_evalcb_guess_for.restype = ctypes.c_int
+        lib.bmoe_evalcb_guess_for.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
         lib.bmoe_evalcb_stats.restype = None
         lib.bmoe_evalcb_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         lib.bmoe_evalcb  # noqa: B018 - the callback itself must be there
@@ -95,6 +107,8 @@ class NativeCallback:
         self._bind = BIND(bind)
         self._forward: Any = None
         self._rows: Any = None
+        self._guess_arrays: tuple[np.ndarray, ...] = ()
+        self.guess_rows: np.ndarray | None = None     # [depth, 1 + k]: see `guess`
         self._state = ctypes.create_string_buffer(lib.bmoe_evalcb_size())
         lay = ggml.native_layout() if layout is None else layout
         arr = (ctypes.c_int64 * len(lay))(*lay)
@@ -117,11 +131,12 @@ class NativeCallback:
 
     def read(self, address: int) -> ggml.Fields:
         """The fields of the tensor at `address` as the C side reads them."""
-        out = (ctypes.c_int64 * 8)()
+        out = (ctypes.c_int64 * 11)()
         if self.lib.bmoe_evalcb_read(self._state, address, out) != 0:
             raise NativeUnavailable("the native callback's state is not initialised")
         return {"op": out[0], "ne": [out[1], out[2]], "nb": [out[3], out[4]],
-                "data": out[5], "src[0]": out[6], "name": ctypes.string_at(out[7])}
+                "data": out[5], "src[0]": out[6], "src[1]": out[10], "type": out[8],
+                "view_src": out[9], "name": ctypes.string_at(out[7])}
 
     def forward(self, fn: Any | None) -> None:
         """Send every node to `fn` (a `ggml_backend_sched_eval_callback`: the streamer's
@@ -154,12 +169,64 @@ class NativeCallback:
         return self.lib.bmoe_evalcb_record(self._state, rows.ctypes.data, rows.shape[0],
                                            rows.shape[1]) == 0
 
+    def guess(self, routers: dict[int, np.ndarray], n_layer: int, n_expert: int, depth: int,
+              k: int, gate: float) -> bool:
+        """Guess layers l+1 .. l+depth in C at each one-token routing of layer l, from
+        `routers` (layer -> float [n_expert, n_embd]; kept here in bfloat16, rounded to
+        nearest). From the next graph on, `guess_rows[d]` holds, when `route` is called for
+        layer l, the guess of layer l+1+d: a count, then that many ids, the most probable
+        first; a count of -1 means no guess was made here (no router, or no router input
+        in the graph), -2 a layer past the last. False (nothing changed) if the routers'
+        shapes differ or C refused them."""
+        shapes = {w.shape for w in routers.values()}
+        if len(shapes) != 1 or not (0 < depth <= n_layer and 0 < k <= n_expert):
+            return False
+        n_out, n_embd = shapes.pop()
+        if n_out != n_expert:
+            return False
+        w = np.zeros((n_layer, n_expert, n_embd), dtype=np.uint16)
+        has = np.zeros(n_layer, dtype=np.uint8)
+        for layer, r in routers.items():
+            if 0 <= layer < n_layer:
+                w[layer] = to_bf16(r)
+                has[layer] = 1
+        rows = np.full((depth, 1 + k), -2, dtype=np.int32)
+        logits = np.zeros(n_expert, dtype=np.float32)
+        if self.lib.bmoe_evalcb_guess(self._state, w.ctypes.data, has.ctypes.data, n_layer,
+                                      n_expert, n_embd, depth, k, float(gate),
+                                      rows.ctypes.data, logits.ctypes.data) != 0:
+            return False
+        self._guess_arrays = (w, has, logits)        # alive as long as C points at them
+        self.guess_rows = rows
+        return True
+
+    def guess_for(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """`guess_rows` for router input `h` (float32 [n_embd]) at layer `layer`, made the
+        way the callback makes them (for tests)."""
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        if self.guess_rows is None or self.lib.bmoe_evalcb_guess_for(
+                self._state, layer, h.ctypes.data) != 0:
+            raise RuntimeError("guessing is not on")
+        return self.guess_rows.copy()
+
     def stats(self) -> dict[str, Any]:
         """asks (every node's ask phase, answered in C), bind_calls and route_calls (the
         calls into Python), binding (whether MUL_MAT_ID asks still go to Python),
-        resident_routes and resident_hits (routings counted in C), resident."""
-        out = (ctypes.c_uint64 * 7)()
+        resident_routes and resident_hits (routings counted in C), resident, guessed (next
+        layers guessed in C from their router) and guess_missing (not guessed in C)."""
+        out = (ctypes.c_uint64 * 9)()
         self.lib.bmoe_evalcb_stats(self._state, out)
         return {"asks": out[0], "bind_calls": out[1], "route_calls": out[2],
                 "binding": bool(out[3]), "resident_routes": out[4], "resident_hits": out[5],
-                "resident": bool(out[6])}
+                "resident": bool(out[6]), "guessed": out[7], "guess_missing": out[8]}
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest, ties to even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32."""
+    return (b.astype(np.uint32) << 16).view(np.float32)

@@ -32,6 +32,7 @@ _GGML_OBJECT_SIZE = 32  # sizeof(struct ggml_object): offs, size, next, type, pa
 GGML_OP_MUL_MAT_ID = 30
 GGML_OP_VIEW = 37
 GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
 GGML_TYPE_I32 = 26
 GGML_OP_NONE = 0
 
@@ -61,13 +62,16 @@ OFF_DATA = GgmlTensor.data.offset
 OFF_NE = GgmlTensor.ne.offset
 OFF_NB = GgmlTensor.nb.offset
 OFF_SRC = GgmlTensor.src.offset
+OFF_TYPE = GgmlTensor.type.offset
+OFF_VIEW_SRC = GgmlTensor.view_src.offset
 
 
 def native_layout() -> list[int]:
     """What the native callback reads, in the order `evalcb.c` takes it: the offsets of
-    op, name, ne, nb, data and src, the struct's size, and the VIEW and MUL_MAT_ID ops."""
+    op, name, ne, nb, data and src, the struct's size, the VIEW and MUL_MAT_ID ops, the
+    offsets of type and view_src, and the F32 type."""
     return [OFF_OP, OFF_NAME, OFF_NE, OFF_NB, OFF_DATA, OFF_SRC, ctypes.sizeof(GgmlTensor),
-            GGML_OP_VIEW, GGML_OP_MUL_MAT_ID]
+            GGML_OP_VIEW, GGML_OP_MUL_MAT_ID, OFF_TYPE, OFF_VIEW_SRC, GGML_TYPE_F32]
 
 
 def tensor_at(address: int) -> GgmlTensor:
@@ -120,6 +124,8 @@ def _probe_lib() -> ctypes.CDLL:
     lib.ggml_set_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     lib.ggml_get_data.restype = ctypes.c_void_p
     lib.ggml_get_data.argtypes = [ctypes.c_void_p]
+    lib.ggml_mul.restype = ctypes.c_void_p
+    lib.ggml_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -135,8 +141,11 @@ def check_layout() -> None:
     for op, want in ((GGML_OP_MUL_MAT_ID, b"MUL_MAT_ID"), (GGML_OP_VIEW, b"VIEW")):
         if lib.ggml_op_name(op) != want:
             problems.append(f"ggml op {op} is {lib.ggml_op_name(op)!r}, expected {want!r}")
-    if lib.ggml_type_name(GGML_TYPE_I32) != b"i32":
-        problems.append("GGML_TYPE_I32 moved")
+    for ggml_type, want in ((GGML_TYPE_I32, b"i32"), (GGML_TYPE_F32, b"f32"),
+                            (GGML_TYPE_F16, b"f16")):
+        if lib.ggml_type_name(ggml_type) != want:
+            problems.append(f"ggml type {ggml_type} is {lib.ggml_type_name(ggml_type)!r}, "
+                            f"expected {want!r}")
     if not problems:
         problems = _field_problems(_probe_lib())
     if problems:
@@ -148,8 +157,9 @@ Fields = dict[str, object]
 
 
 def read_fields(address: int) -> Fields:
-    """op, ne[:2], nb[:2], data, src[0] and name of the tensor at `address`, read at the
-    module's offsets (what `native_layout()` hands the native callback)."""
+    """op, ne[:2], nb[:2], data, src[0], src[1], type, view_src and name of the tensor at
+    `address`, read at the module's offsets (what `native_layout()` hands the native
+    callback)."""
     def word(off: int, ctype: Any) -> int:
         return int(ctype.from_address(address + off).value or 0)
 
@@ -160,15 +170,19 @@ def read_fields(address: int) -> Fields:
         "nb": [word(OFF_NB, size), word(OFF_NB + 8, size)],
         "data": word(OFF_DATA, ctypes.c_void_p),
         "src[0]": word(OFF_SRC, ctypes.c_void_p),
+        "src[1]": word(OFF_SRC + 8, ctypes.c_void_p),
+        "type": word(OFF_TYPE, ctypes.c_int),
+        "view_src": word(OFF_VIEW_SRC, ctypes.c_void_p),
         "name": ctypes.string_at(address + OFF_NAME),
     }
 
 
 def _field_problems(lib: ctypes.CDLL,
                     read: Callable[[int], Fields] = read_fields) -> list[str]:
-    """Build a 3×5 f32 tensor and a view of it in a scratch context; read type, ne, nb,
-    op, src, view_src, view_offs, data and name back through the mirror, and op, ne, nb,
-    data, src[0] and name through `read` (the module's offsets, or the native side's)."""
+    """Build a 3×5 f32 tensor, a view of it and its product with a 3×5 f16 one in a
+    scratch context; read type, ne, nb, op, src, view_src, view_offs, data and name back
+    through the mirror, and op, ne, nb, data, src[0], src[1], type, view_src and name
+    through `read` (the module's offsets, or the native side's)."""
     ctx = lib.ggml_init(_InitParams(1 << 16, None, False))
     if not ctx:
         return ["ggml_init failed for the layout probe"]
@@ -177,9 +191,11 @@ def _field_problems(lib: ctypes.CDLL,
         lib.ggml_set_name(base, b"bmoe_layout_probe")
         view = lib.ggml_view_1d(ctx, base, 4, 8)
         lib.ggml_set_name(view, b"bmoe_layout_view")
+        other = lib.ggml_new_tensor_2d(ctx, GGML_TYPE_F16, 3, 5)
+        both = lib.ggml_mul(ctx, base, other)       # same shapes: ggml asserts otherwise
         t, v = tensor_at(base), tensor_at(view)
         data = lib.ggml_get_data(base) or 0
-        rb, rv = read(base), read(view)
+        rb, rv, r2 = read(base), read(view), read(both)
         seen = {
             "type": (t.type, GGML_TYPE_F32),
             "ne": (rb["ne"], [3, 5]),
@@ -192,6 +208,10 @@ def _field_problems(lib: ctypes.CDLL,
             "view ne": (rv["ne"], [4, 1]),
             "view name": (rv["name"], b"bmoe_layout_view"),
             "src[0]": (rv["src[0]"], base),
+            "read type": ((rb["type"], read(other)["type"]), (GGML_TYPE_F32, GGML_TYPE_F16)),
+            "read view_src": (rv["view_src"], base),
+            "view_src of a leaf": (rb["view_src"], 0),
+            "src[1]": ((r2["src[0]"], r2["src[1]"]), (base, other)),
             "view data": (rv["data"], data + 8),
             "mirror ne": (list(t.ne), [3, 5, 1, 1]),
             "mirror nb": (list(t.nb), [4, 12, 60, 60]),

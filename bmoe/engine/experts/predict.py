@@ -16,6 +16,11 @@ falls back to the previous token's routing of that layer, as does a graph whose 
 input cannot be found). The cost is one [n_expert, n_embd] matrix-vector product per
 guessed layer, in numpy on the engine thread.
 
+With the native callback the same guesses are made in C before the routing reaches
+Python (`evalcb.NativeCallback.guess`: the routers in bfloat16, half the bytes to stream
+past the compute), and `Predictor.from_rows` reads them; the numpy path here serves the
+Python callback and the `invert` knob.
+
 `Predictor.invert` (a test knob) guesses the k *least* probable experts: every guess
 wrong, to check that wrong guesses only cost bandwidth.
 """
@@ -135,6 +140,24 @@ class Predictor:
         self.gate = float(gate)
         self.invert = False
         self.last: dict[int, np.ndarray] = {}     # previous token's routing per layer
+
+    def from_rows(self, layer: int, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """`guesses` as the native callback made them for layer `layer` (its
+        `guess_rows`: per next layer a count, then the ids; -1 where it had no router or
+        router input, which falls back to that layer's previous routing as here)."""
+        out = []
+        for d in range(min(self.depth, len(rows))):
+            j = layer + 1 + d
+            if j >= self.n_layer:
+                break
+            n = int(rows[d, 0])
+            if n < 0:
+                prev = self.last.get(j)
+                if prev is not None:
+                    out.append((j, prev))
+            elif n:
+                out.append((j, rows[d, 1:1 + n].astype(np.int64)))
+        return out
 
     def guesses(self, layer: int, h: np.ndarray | None) -> list[tuple[int, np.ndarray]]:
         """[(layer j, expert ids most likely first)] for j in layer+1 .. layer+depth."""

@@ -374,7 +374,12 @@ class ExpertStreamer:
                                    self.spec_gate)
         self._spec = np.zeros((n_layer, self.layout.n_expert), dtype=bool)
         self.queue = self.reader.start_queue()
-        self.load_info["predictor"] = (f"router, {len(routers)} of {n_layer} layers"
+        where = ""
+        if self.native is not None and routers and self.native.guess(
+                routers, n_layer, self.layout.n_expert, self.prefetch,
+                self.layout.n_expert_used, self.spec_gate):
+            where = ", guessed in C (bfloat16 routers)"
+        self.load_info["predictor"] = (f"router, {len(routers)} of {n_layer} layers{where}"
                                        if routers else "previous token")
 
     def _start_prefill_ahead(self) -> None:
@@ -619,7 +624,7 @@ class ExpertStreamer:
             self._prefill_ahead(layer, node, n)
         if self.predictor is not None and n == 1:
             self.predictor.last[layer] = ids[0].astype(np.int64)
-            self._read_ahead(layer, router_input(ggml.tensor_at(node), layer))
+            self._read_ahead(layer, node)
 
     def ensure(self, layer: int, ids: np.ndarray) -> Admission:
         """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses)."""
@@ -713,13 +718,20 @@ class ExpertStreamer:
                 for cc in (c, self._total):
                     cc.spec_wasted_bytes += self.layout.unit_bytes(vl)
 
-    def _read_ahead(self, layer: int, h: np.ndarray | None) -> None:
-        """Guess the next layers' experts and queue reads of those the cache lacks."""
+    def _read_ahead(self, layer: int, node: int) -> None:
+        """Guess the next layers' experts (in C when the native callback guesses: it has
+        made them before this routing reached Python) and queue reads of those the cache
+        lacks."""
         assert self.predictor is not None and self.queue is not None
         t0 = time.perf_counter()
         c = self._turn if self._in_prefill else self._token
+        rows = self.native.guess_rows if self.native is not None else None
+        if rows is not None and not self.predictor.invert:
+            guesses = self.predictor.from_rows(layer, rows)
+        else:
+            guesses = self.predictor.guesses(layer, router_input(ggml.tensor_at(node), layer))
         groups = []
-        for j, guess in self.predictor.guesses(layer, h):
+        for j, guess in guesses:
             self._guess[j] = guess
             groups += self._queue_guess(j, guess, 1 + j - layer, c)
         for cc in (c, self._total):
@@ -773,15 +785,20 @@ class ExpertStreamer:
             self._inflight[(j, e)] = g
             self.cache.pinned[j, e] = True
             self._spec[j, e] = True
-            for r in reads:
-                for src, _, _ in r.moves:
-                    if src != FRESH:
-                        self._pending_out[self._unit_at(src)] = g
+            self._note_pending(reads, g)
             groups.append(g)
         for length, pages in spare.items():
             for buf, addr in pages:
                 buf.release_at(addr, length)
         return groups
+
+    def _note_pending(self, reads: list[Read], g: ReadGroup) -> None:
+        """The units whose pages `reads` take over (from the last `_victim_pages`) wait
+        for `g` before anything is read into them again."""
+        for r in reads:
+            for src, _, _ in r.moves:
+                if src != FRESH:
+                    self._pending_out[self._unit_at(src)] = g
 
     def _unit_at(self, addr: int) -> tuple[int, int]:
         """The (layer, expert) whose interior pages start at `addr`."""
@@ -1018,7 +1035,8 @@ class ExpertStreamer:
         st = self.native.stats()
         return {"cb_asks": st["asks"], "cb_bind_calls": st["bind_calls"],
                 "cb_route_calls": st["route_calls"], "cb_binding": st["binding"],
-                "cb_resident_routes": st["resident_routes"], "cb_resident": st["resident"]}
+                "cb_resident_routes": st["resident_routes"], "cb_resident": st["resident"],
+                "cb_guessed": st["guessed"], "cb_guess_missing": st["guess_missing"]}
 
     def failure(self) -> str | None:
         """The message of a failure inside the graph callback since the last call, if any."""
