@@ -916,6 +916,32 @@ def test_the_callbacks_guesses_are_numpys_from_the_graphs_router_input(
     assert all(g == w for g, w in seen)
 
 
+@pytest.mark.parametrize("n", [1, 3], ids=["decode", "batch"])
+def test_a_routing_is_read_whole_and_ids_out_of_range_are_refused(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    # no read-ahead: it would look for the router's input from the (here made-up) node
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2, "prefill-ahead": False})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer) and st.predictor is None
+        asked: list[list[int]] = []
+        monkeypatch.setattr(st, "ensure", lambda layer, ids: asked.append(ids.tolist()))
+        k, row = 4, 24                    # rows 24 bytes apart: two int32 of padding each
+        buf = np.full((n, row // 4), 99, dtype=np.int32)
+        buf[:, :k] = [[5, 1, 5, 3], [0, 1, 2, 3], [7, 7, 7, 7]][:n]
+        st._routed(0, 1, k, n, row, buf.ctypes.data)
+        assert asked == [sorted({int(e) for e in buf[:, :k].ravel()})]
+        for bad in (-1, 8):               # the model has 8 experts
+            buf[n - 1, 2] = bad
+            with pytest.raises(RuntimeError, match=r"layer 1 routed to expert ids outside 0..7"):
+                st._routed(0, 1, k, n, row, buf.ctypes.data)
+        with pytest.raises(RuntimeError, match="unexpected layout"):
+            st._routed(0, 1, k, n, 2 * k, buf.ctypes.data)     # rows narrower than k ids
+        assert len(asked) == 1
+    finally:
+        s.close()
+
+
 # -- telemetry -----------------------------------------------------------------------------
 
 

@@ -435,13 +435,16 @@ class LaneQueue:
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
+        self._idle = 0             # lanes waiting for a read
         self.busy_s = 0.0          # summed lane time spent reading (can exceed wall time)
         self._threads = [threading.Thread(target=self._lane, name=f"bmoe-lane-{i}", daemon=True)
                          for i in range(lanes)]
         for t in self._threads:
             t.start()
 
-    def submit(self, reads: list[Read], prio: int) -> ReadGroup:
+    def submit(self, reads: list[Read], prio: int, wake: bool = True) -> ReadGroup:
+        """Queue `reads` as one group at `prio`; with `wake` false no lane is woken (the
+        caller queues more and calls `wake` once)."""
         g = ReadGroup(prio)
         g.items = [_Item(r, g) for r in self._reader.split(reads)]
         g.left = len(g.items)
@@ -451,8 +454,24 @@ class LaneQueue:
         with self._cv:
             for it in sorted(g.items, key=lambda it: -it.read.length):
                 heapq.heappush(self._heap, (prio, next(self._seq), it))
-            self._cv.notify_all()
+            if wake:
+                self._wake(len(g.items) if prio == 0 else 1)
         return g
+
+    def wake(self) -> None:
+        """Wake one idle lane for what was queued without waking one."""
+        with self._cv:
+            if self._heap:
+                self._wake(1)
+
+    def _wake(self, n: int) -> None:
+        """Wake up to `n` idle lanes (with the condition held). Reads needed now wake as
+        many lanes as they have pieces: the caller waits for them next. Read-ahead
+        wakes one, and a lane that takes a read wakes the next while more are queued,
+        so the engine thread, which goes on computing, makes one wake-up per read group
+        (each costs it tens of µs on a virtual machine) instead of one per idle lane."""
+        if self._idle:
+            self._cv.notify(min(n, self._idle))
 
     def promote(self, g: ReadGroup) -> None:
         """Queue the group's reads not yet started again, at priority 0."""
@@ -460,19 +479,25 @@ class LaneQueue:
             return
         with self._cv:
             g.prio = 0
-            for it in g.items:
-                if not it.taken:
-                    heapq.heappush(self._heap, (0, next(self._seq), it))
-            self._cv.notify_all()
+            left = [it for it in g.items if not it.taken]
+            for it in left:
+                heapq.heappush(self._heap, (0, next(self._seq), it))
+            self._wake(len(left))
 
     def _lane(self) -> None:
         while True:
             with self._cv:
                 while not self._heap and not self._closed:
-                    self._cv.wait()
+                    self._idle += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._idle -= 1
                 if self._closed and not self._heap:
                     return
                 _, _, it = heapq.heappop(self._heap)
+                if self._heap:
+                    self._wake(1)          # more queued: the next idle lane takes one
                 if it.taken:
                     continue
                 it.taken = True

@@ -611,15 +611,21 @@ class ExpertStreamer:
             return        # the last layer of a prefill chunk that outputs no logits
         if not data or row < 4 * k or row % 4:
             raise RuntimeError(f"layer {layer}'s routing has an unexpected layout")
-        flat = np.ctypeslib.as_array(
-            (ctypes.c_int32 * ((n - 1) * row // 4 + k)).from_address(data))
-        ids = np.lib.stride_tricks.as_strided(flat, shape=(n, k), strides=(row, 4)).copy()
-        if ids.size and (ids.min() < 0 or ids.max() >= self.layout.n_expert):
+        if n == 1:        # a decode step: a few ids, cheaper as a list than through numpy
+            one = (ctypes.c_int32 * k).from_address(data)[:]
+            ids = np.array([one], dtype=np.int32)
+            used = np.array(sorted(set(one)), dtype=np.int32)
+        else:
+            flat = np.ctypeslib.as_array(
+                (ctypes.c_int32 * ((n - 1) * row // 4 + k)).from_address(data))
+            ids = np.lib.stride_tricks.as_strided(flat, shape=(n, k), strides=(row, 4)).copy()
+            used = np.unique(ids)
+        if used[0] < 0 or used[-1] >= self.layout.n_expert:
             raise RuntimeError(f"layer {layer} routed to expert ids outside "
                                f"0..{self.layout.n_expert - 1}")
         if self.record_routing and n == 1:
             self._route_row[layer] = ids[0]
-        self.ensure(layer, np.unique(ids))
+        self.ensure(layer, used)
         if self._batch_routers is not None and n > 1:
             self._prefill_ahead(layer, node, n)
         if self.predictor is not None and n == 1:
@@ -704,7 +710,8 @@ class ExpertStreamer:
         guess = self._guess.pop(layer, None)
         if guess is None:
             return
-        hit = int(np.isin(guess, ids).sum())
+        routed = set(ids.tolist())
+        hit = sum(e in routed for e in guess.tolist())
         for cc in (c, self._total):
             cc.guessed += len(guess)
             cc.guess_hits += hit
@@ -781,7 +788,7 @@ class ExpertStreamer:
             cc.evictions += len(adm.victims)
         for e in adm.misses.tolist():
             reads = self._reads_for(j, np.array([e]), spare)
-            g = self.queue.submit(reads, prio)
+            g = self.queue.submit(reads, prio, wake=False)
             self._inflight[(j, e)] = g
             self.cache.pinned[j, e] = True
             self._spec[j, e] = True
@@ -790,6 +797,8 @@ class ExpertStreamer:
         for length, pages in spare.items():
             for buf, addr in pages:
                 buf.release_at(addr, length)
+        if groups:
+            self.queue.wake()        # one wake-up; the lanes wake each other for the rest
         return groups
 
     def _note_pending(self, reads: list[Read], g: ReadGroup) -> None:
