@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -111,46 +110,3 @@ def test_a_read_aio_refuses_is_read_again_and_falls_back(
     got, reader = read_slices(model_file, "aio")
     assert got == expected(model_file)
     assert not reader.odirect and "refused" in reader.fallback_reason
-
-
-def test_the_queue_reads_every_groups_head_before_the_tails(model_file: Path) -> None:
-    """Within a priority the lanes take every group's head (gate/up slices) before any
-    tail (down slices); a group's `head` is set once its head is read, `done` once all."""
-    reader = ExpertReader(str(model_file), 1, True)
-    buf = AnonBuffer(TENSOR_AT, SLICE * N_SLICES)
-    order: list[int] = []
-    release = threading.Event()
-    one = reader._one
-
-    def recording(r: Read) -> int:
-        if r.at == 0:
-            release.wait(10)          # the blocker: the rest queue up behind it
-        else:
-            order.append(r.at // SLICE)
-        return one(r)
-
-    reader._one = recording           # type: ignore[method-assign]
-    try:
-        queue = reader.start_queue()
-
-        def read(e: int) -> Read:
-            return Read(TENSOR_AT + e * SLICE, SLICE, buf, e * SLICE)
-
-        blocker = queue.submit([read(0)], 0)
-        a = queue.submit([read(1), read(2), read(3)], 1, head=2)
-        b = queue.submit([read(4), read(5)], 1, head=1)
-        c = queue.submit([read(6)], 1)                 # no head: `head` set at once
-        assert c.head.is_set() and not c.done.is_set()
-        assert not a.head.is_set() and not b.head.is_set()
-        release.set()
-        for g in (blocker, a, b, c):
-            assert g.done.wait(10) and g.error is None
-        assert order == [1, 2, 4, 3, 5, 6]
-        assert a.head.is_set() and b.head.is_set()
-        data = model_file.read_bytes()
-        assert bytes(buf.view[buf.phase + 4 * SLICE:buf.phase + 5 * SLICE]) \
-            == data[TENSOR_AT + 4 * SLICE:TENSOR_AT + 5 * SLICE]
-    finally:
-        release.set()
-        reader.close()
-        buf.close()

@@ -19,7 +19,6 @@ import errno
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ import pytest
 from bmoe.engine.errors import EngineError, LoadError
 from bmoe.engine.experts import ExpertStreamer, evalcb, ggml, nopopulate, streamer_factory
 from bmoe.engine.experts import reader as reader_mod
-from bmoe.engine.experts import streamer as streamer_mod
 from bmoe.engine.experts.budget import MIB, resolve
 from bmoe.engine.experts.cache import ExpertCache, NoCache
 from bmoe.engine.experts.layout import read_layout
@@ -284,10 +282,10 @@ def test_cancelled_turns_then_a_new_one_match(models: dict[str, Path]) -> None:
         assert isinstance(st, ExpertStreamer)
         ensure = st.ensure
 
-        def ensure_then_cancel(layer: int, ids: np.ndarray, **kw: Any) -> Any:
+        def ensure_then_cancel(layer: int, ids: np.ndarray) -> Any:
             if layer == 1:
                 cancel.set()
-            return ensure(layer, ids, **kw)
+            return ensure(layer, ids)
 
         st.ensure = ensure_then_cancel  # type: ignore[method-assign]
         other = [{"role": "user", "content": "Write a short poem about the sea and the wind."}]
@@ -799,7 +797,7 @@ def test_a_failure_in_the_native_callback_is_an_error_and_the_session_recovers(
     try:
         assert isinstance(s.streamer, ExpertStreamer) and s.streamer.native is not None
 
-        def broken(*_args: Any, **_kw: Any) -> None:
+        def broken(*_args: Any) -> None:
             raise RuntimeError("injected")
 
         monkeypatch.setattr(ExpertStreamer, where, broken)
@@ -918,104 +916,6 @@ def test_the_callbacks_guesses_are_numpys_from_the_graphs_router_input(
     assert all(g == w for g, w in seen)
 
 
-@pytest.mark.parametrize("name", ["moe", "moe-f16"])
-def test_down_slices_are_waited_for_after_gate_and_up(
-        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """With read-ahead on the lanes' queue, a layer's down slices are read after its gate
-    and up slices and waited for only before the down matmul. Every down read is made
-    slow here: were the down matmul not held until they land, it would multiply pages
-    that are not read yet (zeros) and the greedy tokens would differ from resident."""
-    monkeypatch.delenv(evalcb.ENV, raising=False)
-    monkeypatch.delenv(streamer_mod.DOWN_WAIT_ENV, raising=False)
-    deferred: list[bool] = []
-    original_open = streamer_mod.ExpertStreamer._wait_tail
-
-    def wait_tail(self: ExpertStreamer, layer: int) -> None:
-        pending = self._tails.get(layer)
-        if pending is not None:
-            deferred.append(not all(g.done.is_set() for g in pending[0]))
-        original_open(self, layer)
-
-    monkeypatch.setattr(streamer_mod.ExpertStreamer, "_wait_tail", wait_tail)
-    original_attach = streamer_mod.ExpertStreamer.attach
-
-    def attach(self: ExpertStreamer, model: Any, ctx: Any) -> None:
-        original_attach(self, model, ctx)
-        assert self.reader is not None and self._down_bufs
-        one, down = self.reader._one, self._down_bufs
-
-        def slow_down(r: reader_mod.Read) -> int:
-            if id(r.buffer) in down:
-                time.sleep(0.005)
-            return one(r)
-
-        self.reader._one = slow_down      # type: ignore[method-assign]
-
-    monkeypatch.setattr(streamer_mod.ExpertStreamer, "attach", attach)
-
-    def check(st: ExpertStreamer) -> None:
-        assert st.load_info["down_wait"] == "after gate/up"
-        stats = st.stats()
-        assert stats["cb_tails_split"] > 0
-        # before the first graph has shown where each layer's down matmul is, its wait
-        # is at the routing: at most once per layer
-        assert stats["cb_tails_early"] <= st.layout.n_layer
-        assert not st._tails
-        check_read_ahead(st)
-
-    cap = 2 if name == "moe" else 1    # below every expert (3 / 1.5 MiB)
-    got = streamed(models[name], check, **{"cache-mb": cap, "prefetch": 2, "overlap": True})
-    assert got == resident(models, name)
-    assert any(deferred)               # some down reads were still in flight at the routing
-
-
-def test_down_wait_whole_keeps_a_layers_reads_together(
-        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(evalcb.ENV, raising=False)
-    monkeypatch.setenv(streamer_mod.DOWN_WAIT_ENV, "whole")
-
-    def check(st: ExpertStreamer) -> None:
-        assert st.load_info["down_wait"].startswith("with gate/up")
-        stats = st.stats()
-        assert stats["cb_tails_split"] == stats["cb_tails_early"] == 0
-        assert stats["cb_tails_late"] == 0
-
-    got = streamed(models["moe"], check, **{"cache-mb": 2, "prefetch": 2, "overlap": True})
-    assert got == resident(models, "moe")
-
-
-def test_a_failed_down_read_stops_the_graph_with_its_message(
-        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A down slice whose read fails after the layer went on computing: the graph stops at
-    the down matmul and the turn fails with the read's own message; nothing crashes, and
-    the session answers again once reads work."""
-    monkeypatch.delenv(evalcb.ENV, raising=False)
-    monkeypatch.delenv(streamer_mod.DOWN_WAIT_ENV, raising=False)
-    s = open_session(models["moe"], **STREAM, **{"cache-mb": 2, "prefetch": 2,
-                                                 "overlap": True})
-    try:
-        st = s.streamer
-        assert isinstance(st, ExpertStreamer) and st.reader is not None and st._split
-        one, down = st.reader._one, st._down_bufs
-        failing = threading.Event()
-        failing.set()
-
-        def broken(r: reader_mod.Read) -> int:
-            if failing.is_set() and id(r.buffer) in down:
-                raise reader_mod.ReadError(f"test: the down slice at {r.offset} is unreadable")
-            return one(r)
-
-        st.reader._one = broken           # type: ignore[method-assign]
-        with pytest.raises(EngineError) as e:
-            turn(s, QUESTION)
-        assert e.value.code == "failed" and "the down slice at" in e.value.message
-        failing.clear()
-        tokens, _, _ = turn(s, QUESTION)
-        assert tokens == resident(models, "moe")[0][0]
-    finally:
-        s.close()
-
-
 @pytest.mark.parametrize("n", [1, 3], ids=["decode", "batch"])
 def test_a_routing_is_read_whole_and_ids_out_of_range_are_refused(
         models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, n: int) -> None:
@@ -1025,8 +925,7 @@ def test_a_routing_is_read_whole_and_ids_out_of_range_are_refused(
         st = s.streamer
         assert isinstance(st, ExpertStreamer) and st.predictor is None
         asked: list[list[int]] = []
-        monkeypatch.setattr(st, "ensure",
-                            lambda layer, ids, **_: asked.append(ids.tolist()))
+        monkeypatch.setattr(st, "ensure", lambda layer, ids: asked.append(ids.tolist()))
         k, row = 4, 24                    # rows 24 bytes apart: two int32 of padding each
         buf = np.full((n, row // 4), 99, dtype=np.int32)
         buf[:, :k] = [[5, 1, 5, 3], [0, 1, 2, 3], [7, 7, 7, 7]][:n]

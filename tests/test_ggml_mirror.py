@@ -39,8 +39,7 @@ def test_the_native_side_reads_the_probe_as_the_mirror_does() -> None:
     assert cb.fn and cb.user_data
     assert cb.stats() == {"asks": 0, "bind_calls": 0, "route_calls": 0, "binding": True,
                           "resident_routes": 0, "resident_hits": 0, "resident": False,
-                          "guessed": 0, "guess_missing": 0, "tails_split": 0,
-                          "tails_early": 0, "tails_late": 0}
+                          "guessed": 0, "guess_missing": 0}
     assert cb.resident(True, 4, 8) and cb.stats()["resident"]
     assert not cb.resident(True, 4, 1 << 20)      # more experts than the C side counts
 

@@ -2,7 +2,7 @@
  *
  * llama.cpp's scheduler calls the callback for every node of every graph, first to ask
  * whether we want the node's data (the "ask" phase), then, for the nodes we said yes to,
- * with the data computed (the "data" phase). These nodes matter to the
+ * with the data computed (the "data" phase). Only two kinds of node matter to the
  * streamer (see bmoe/engine/experts/streamer.py):
  *
  *   - the VIEW nodes named "ffn_moe_topk-<l>" (the router's choice for layer l): we want
@@ -14,11 +14,7 @@
  *     (`bmoe_evalcb_record`);
  *   - the MUL_MAT_ID nodes, while Python still has expert tensors to rebind (the first
  *     evaluation only): their ask phase goes to Python's `bind` function, which returns
- *     how many tensors are still unbound; at 0 we stop forwarding them;
- *   - with the down projection's wait on (`bmoe_evalcb_tail`), the expert MUL_MAT_IDs
- *     named "ffn_moe_<what>-<l>": `route` may leave layer l's down slices in flight, and
- *     the last gate/up matmul before "ffn_moe_down-<l>" is where Python's `tail` waits for
- *     them, so those reads overlap the gate/up compute.
+ *     how many tensors are still unbound; at 0 we stop forwarding them.
  *
  * With read-ahead on (`bmoe_evalcb_guess`), a one-token graph's routing node also has the
  * next layers' experts guessed here before Python's `route` runs: layer l's router input
@@ -57,13 +53,10 @@
 #define EXPORT __attribute__((visibility("default")))
 #define STATE_MAGIC 0x626d6f65u /* "bmoe" */
 
-typedef int32_t (*route_fn)(void *node, int32_t layer, int64_t k, int64_t n, int64_t row,
-                            void *data);
-typedef bool (*tail_fn)(int32_t layer);
+typedef bool (*route_fn)(void *node, int32_t layer, int64_t k, int64_t n, int64_t row,
+                         void *data);
 typedef int32_t (*bind_fn)(void *node);
 typedef bool (*eval_fn)(void *node, bool ask, void *user_data);
-
-#define SPLIT_LAYERS 512       /* layers whose down projection may be waited for apart */
 
 /* The order of the offsets array handed to bmoe_evalcb_init. */
 enum { L_OP, L_NAME, L_NE, L_NB, L_DATA, L_SRC, L_SIZE, L_OP_VIEW, L_OP_MUL_MAT_ID, L_TYPE,
@@ -96,25 +89,10 @@ typedef struct {
     float g_gate;
     uint64_t g_rows;           /* layers guessed here from their router */
     uint64_t g_missing;        /* layers not guessed here: no router, or no router input */
-    /* the down projection's wait (bmoe_evalcb_tail): per layer below SPLIT_LAYERS */
-    tail_fn tail;
-    int32_t tail_failed;       /* a tail asked for in an ask phase failed: stop at data */
-    int32_t n_pending;         /* layers whose tail is still to be called */
-    uint8_t pending[SPLIT_LAYERS];
-    uint8_t heads_seen[SPLIT_LAYERS];   /* this graph's MUL_MAT_IDs before the down one */
-    uint8_t n_heads[SPLIT_LAYERS];      /* the same, learned from the last graph */
-    uint8_t down_known[SPLIT_LAYERS];   /* a down MUL_MAT_ID followed the routing before */
-    uint64_t tails_split;      /* tails called after the layer's gate/up matmuls */
-    uint64_t tails_early;      /* tails called before them (first graphs, or no down known) */
-    uint64_t tails_late;       /* tails called at the down matmul's ask (no split there) */
 } state_t;
 
 static const char TOPK[] = "ffn_moe_topk-";
 #define TOPK_LEN (sizeof TOPK - 1)
-static const char MOE[] = "ffn_moe_";
-#define MOE_LEN (sizeof MOE - 1)
-static const char DOWN[] = "ffn_moe_down";
-#define DOWN_LEN (sizeof DOWN - 1)
 #define NAME_MAX_LEN 64        /* GGML_MAX_NAME */
 
 EXPORT size_t bmoe_evalcb_size(void) { return sizeof(state_t); }
@@ -188,8 +166,7 @@ EXPORT int bmoe_evalcb_read(const void *state, const void *node, int64_t *out) {
 }
 
 /* asks, bind_calls, route_calls, binding, resident_routes, resident_hits, resident,
- * guessed (layers guessed here from their router), guess_missing, tails_split,
- * tails_early, tails_late. */
+ * guessed (layers guessed here from their router), guess_missing. */
 EXPORT void bmoe_evalcb_stats(const void *state, uint64_t *out) {
     const state_t *st = state;
     out[0] = st->asks;
@@ -201,9 +178,6 @@ EXPORT void bmoe_evalcb_stats(const void *state, uint64_t *out) {
     out[6] = (uint64_t)st->resident;
     out[7] = st->g_rows;
     out[8] = st->g_missing;
-    out[9] = st->tails_split;
-    out[10] = st->tails_early;
-    out[11] = st->tails_late;
 }
 
 /* Send every call to `fn` (a ggml_backend_sched_eval_callback: the streamer's Python
@@ -267,27 +241,6 @@ static int64_t distinct(const char *data, int64_t k, int64_t n, int64_t row, int
     return count;
 }
 
-/* The layer of a MUL_MAT_ID named "ffn_moe_<what>-<l>" (an expert matmul), or -1; `down`
- * says whether it is the down projection ("ffn_moe_down..."). */
-static int32_t moe_matmul_layer(const char *name, bool *down) {
-    if (strncmp(name, MOE, MOE_LEN) != 0)
-        return -1;
-    const char *dash = memchr(name, '\0', NAME_MAX_LEN) ? strrchr(name, '-') : NULL;
-    if (!dash || dash[1] < '0' || dash[1] > '9')
-        return -1;
-    int64_t layer = 0;
-    const char *c = dash + 1;
-    for (int i = 0; *c >= '0' && *c <= '9'; c++, i++) {
-        if (i >= 9)
-            return -1;
-        layer = layer * 10 + (*c - '0');
-    }
-    if (*c != '\0')
-        return -1;
-    *down = strncmp(name, DOWN, DOWN_LEN) == 0;
-    return (int32_t)layer;
-}
-
 /* "ffn_moe_topk-<l>" -> l, or -1. */
 static int32_t topk_layer(const char *name) {
     if (strncmp(name, TOPK, TOPK_LEN) != 0)
@@ -302,46 +255,6 @@ static int32_t topk_layer(const char *name) {
         layer = layer * 10 + (*c - '0');
     }
     return *c == '\0' ? (int32_t)layer : -1;
-}
-
-/* -- the down projection's wait ---------------------------------------------------------- */
-
-/* With `fn` set, Python's `route` may return 2: the layer's gate and up slices are in, its
- * down slices may still be in flight, and `fn(layer)` waits for them (false: they failed,
- * stop the graph). It is called once per such routing, as late as this can make it: after
- * the layer's last expert matmul before the down projection (how many there are is
- * learned from the graph before: the MUL_MAT_ID nodes named "ffn_moe_*-<l>" between the
- * routing and "ffn_moe_down*-<l>"), so the down slices are read while gate and up compute;
- * at the down matmul's ask at the latest (its inputs computed, itself not yet); and at once
- * after `route` where no down matmul of the layer has been seen yet. NULL turns it off
- * (Python then never returns 2). */
-EXPORT int bmoe_evalcb_tail(void *state, tail_fn fn) {
-    state_t *st = state;
-    if (!st || st->magic != STATE_MAGIC)
-        return -1;
-    st->tail = fn;
-    return 0;
-}
-
-/* Call the tail of `layer` if pending; false if it failed. */
-static bool call_tail(state_t *st, int32_t layer) {
-    if (!st->pending[layer])
-        return true;
-    st->pending[layer] = 0;
-    st->n_pending--;
-    return st->tail(layer);
-}
-
-/* Tails still pending at another routing (a graph whose down matmul was not where the
- * last one had it): wait for them now. False if one failed. */
-static bool flush_tails(state_t *st) {
-    bool ok = true;
-    for (int32_t l = 0; l < SPLIT_LAYERS && st->n_pending > 0; l++)
-        if (st->pending[l]) {
-            st->tails_late++;
-            ok = call_tail(st, l) && ok;
-        }
-    return ok;
 }
 
 /* -- read-ahead guesses ------------------------------------------------------------------ */
@@ -498,75 +411,31 @@ EXPORT int bmoe_evalcb_guess_for(void *state, int32_t layer, const float *h) {
     return 0;
 }
 
-/* The ask phase of a MUL_MAT_ID node of an expert matmul (see bmoe_evalcb_tail): true
- * where its data phase is to call the layer's tail. */
-static bool ask_matmul(state_t *st, const char *p) {
-    bool down = false;
-    int32_t layer = moe_matmul_layer(p + st->name, &down);
-    if (layer < 0 || layer >= SPLIT_LAYERS || layer >= st->local_layers)
-        return false;
-    if (!down) {
-        if (st->heads_seen[layer] < UINT8_MAX)
-            st->heads_seen[layer]++;
-        return st->pending[layer] && st->heads_seen[layer] == st->n_heads[layer];
-    }
-    st->n_heads[layer] = st->heads_seen[layer];
-    st->down_known[layer] = st->heads_seen[layer] > 0;
-    if (st->pending[layer]) {     /* its inputs are computed, itself not yet: wait here */
-        st->tails_late++;
-        if (!call_tail(st, layer)) {
-            st->tail_failed = 1;
-            return true;          /* its data phase stops the graph */
-        }
-    }
-    return false;
-}
-
 /* llama.cpp's ggml_backend_sched_eval_callback. */
 EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
     state_t *st = user_data;
     const char *p = node;
     if (st->forward)
         return st->forward(node, ask, NULL);
-    int32_t op = *(const int32_t *)(p + st->op);
     if (ask) {
         st->asks++;
+        int32_t op = *(const int32_t *)(p + st->op);
         if (op == st->op_view) {
             int32_t layer = topk_layer(p + st->name);
-            if (layer >= 0 && layer < SPLIT_LAYERS)
-                st->heads_seen[layer] = 0;
             return layer >= 0 && layer < st->local_layers;
         }
-        if (op == st->op_mul_mat_id) {
-            if (st->binding) {
-                st->bind_calls++;
-                if (st->bind(node) == 0)
-                    st->binding = 0;
-            }
-            if (st->tail)
-                return ask_matmul(st, p);
+        if (op == st->op_mul_mat_id && st->binding) {
+            st->bind_calls++;
+            if (st->bind(node) == 0)
+                st->binding = 0;
         }
         return false;
     }
-    if (op == st->op_mul_mat_id) {     /* the matmul before a down projection: its tail */
-        if (st->tail_failed) {
-            st->tail_failed = 0;
-            return false;
-        }
-        bool down = false;
-        int32_t layer = moe_matmul_layer(p + st->name, &down);
-        if (layer < 0 || layer >= SPLIT_LAYERS || down || !st->pending[layer])
-            return true;
-        st->tails_split++;
-        return call_tail(st, layer);
-    }
-    /* the data phase of a topk view we asked for */
+    /* the data phase: only for the topk views we asked for */
     const int64_t *ne = (const int64_t *)(p + st->ne);
     const size_t *nb = (const size_t *)(p + st->nb);
     int32_t layer = topk_layer(p + st->name);
     void *data = *(void *const *)(p + st->data);
-    if (st->n_pending > 0 && !flush_tails(st))
-        return false;
     if (st->resident && !st->binding && layer >= 0 && layer < st->n_layer) {
         if (ne[0] == 0 || ne[1] == 0) {
             st->resident_routes++;   /* a chunk's last layer that outputs no logits */
@@ -585,18 +454,7 @@ EXPORT bool bmoe_evalcb(void *node, bool ask, void *user_data) {
     if (st->g_w && ne[1] == 1 && ne[0] > 0 && layer >= 0)
         guess_from(st, layer, router_input(st, p, layer));
     st->route_calls++;
-    int32_t r = st->route(node, layer, ne[0], ne[1], (int64_t)nb[1], data);
-    if (r != 2)
-        return r != 0;
-    if (!st->tail)
-        return true;              /* Python defers only with a tail set: nothing to wait */
-    if (layer < 0 || layer >= SPLIT_LAYERS || !st->down_known[layer]) {
-        st->tails_early++;        /* no down matmul known after this routing: wait now */
-        return st->tail(layer);
-    }
-    st->pending[layer] = 1;
-    st->n_pending++;
-    return true;
+    return st->route(node, layer, ne[0], ne[1], (int64_t)nb[1], data);
 }
 
 static struct PyModuleDef module = {

@@ -8,15 +8,12 @@ tensors back through `bmoe_evalcb_read` with those offsets. Any failure is
 `NativeUnavailable` with a sentence saying why, and the streamer runs its Python callback
 instead (`load_info["eval_callback"]` says which one runs).
 
-`route(node, layer, k, n, row, data) -> int` is called once per MoE layer and graph
+`route(node, layer, k, n, row, data) -> bool` is called once per MoE layer and graph
 (unless `resident(True, ...)` said every expert is in memory for good: then a routing is
 only counted in C) with the layer's routing (I32 [k, n], rows `row` bytes apart, at `data`); `bind(node) ->
 int` for each MUL_MAT_ID node's ask phase while tensors remain to rebind, returning how
-many still do. `route` returns 0 to stop the graph, 1 to go on, and, once `tail(fn)` has
-been set, 2 to go on with the layer's down slices still in flight: `fn(layer) -> bool` is
-then called after the layer's gate/up matmuls (before its down matmul) to wait for them.
-All are ctypes callbacks: they run on the engine thread (the one in llama_decode), under
-the GIL, and must not raise.
+many still do. Both are ctypes callbacks: they run on the engine thread (the one in
+llama_decode), under the GIL, and must not raise.
 
 With read-ahead, `guess(routers, ...)` hands the C side the next layers' routers (in
 bfloat16): a one-token graph's routing then arrives in `route` with the next layers'
@@ -41,10 +38,9 @@ from . import ggml
 
 ENV = "BMOE_EVAL_CALLBACK"
 
-ROUTE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
+ROUTE = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
 BIND = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)
-TAIL = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_int32)
 
 
 class NativeUnavailable(Exception):
@@ -90,8 +86,6 @@ def _library() -> ctypes.CDLL:
                                           ctypes.c_void_p, ctypes.c_void_p]
         lib.bmoe_evalcb_guess_for.restype = ctypes.c_int
         lib.bmoe_evalcb_guess_for.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
-        lib.bmoe_evalcb_tail.restype = ctypes.c_int
-        lib.bmoe_evalcb_tail.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.bmoe_evalcb_stats.restype = None
         lib.bmoe_evalcb_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         lib.bmoe_evalcb  # noqa: B018 - the callback itself must be there
@@ -103,7 +97,7 @@ def _library() -> ctypes.CDLL:
 class NativeCallback:
     """One streamer's native callback: its state (owned here) and the two Python entries."""
 
-    def __init__(self, route: Callable[[int, int, int, int, int, int], int],
+    def __init__(self, route: Callable[[int, int, int, int, int, int], bool],
                  bind: Callable[[int], int], *, binding: bool = True,
                  layout: list[int] | None = None) -> None:
         lib = _library()
@@ -112,7 +106,6 @@ class NativeCallback:
         self._route = ROUTE(route)
         self._bind = BIND(bind)
         self._forward: Any = None
-        self._tail: Any = None
         self._rows: Any = None
         self._guess_arrays: tuple[np.ndarray, ...] = ()
         self.guess_rows: np.ndarray | None = None     # [depth, 1 + k]: see `guess`
@@ -152,14 +145,6 @@ class NativeCallback:
         decodes, on the engine thread."""
         self._forward = fn
         self.lib.bmoe_evalcb_forward(self._state, ctypes.cast(fn, ctypes.c_void_p) if fn else None)
-
-    def tail(self, fn: Callable[[int], bool] | None) -> bool:
-        """Let `route` return 2 (a layer's down slices still in flight) and have `fn(layer)`
-        wait for them after the layer's gate/up matmuls; None turns it off (call it between
-        decodes). False if C refused."""
-        self._tail = TAIL(fn) if fn is not None else None
-        return self.lib.bmoe_evalcb_tail(
-            self._state, ctypes.cast(self._tail, ctypes.c_void_p) if fn else None) == 0
 
     def resident(self, on: bool, n_layer: int = 0, n_expert: int = 0) -> bool:
         """Every expert is resident for good (on) or not any more (off): with it on, a
@@ -228,15 +213,12 @@ class NativeCallback:
         """asks (every node's ask phase, answered in C), bind_calls and route_calls (the
         calls into Python), binding (whether MUL_MAT_ID asks still go to Python),
         resident_routes and resident_hits (routings counted in C), resident, guessed (next
-        layers guessed in C from their router), guess_missing (not guessed in C), and the
-        down slices' waits: tails_split (after the layer's gate/up matmuls), tails_early
-        (at the routing: no down matmul known yet) and tails_late (at the down matmul)."""
-        out = (ctypes.c_uint64 * 12)()
+        layers guessed in C from their router) and guess_missing (not guessed in C)."""
+        out = (ctypes.c_uint64 * 9)()
         self.lib.bmoe_evalcb_stats(self._state, out)
         return {"asks": out[0], "bind_calls": out[1], "route_calls": out[2],
                 "binding": bool(out[3]), "resident_routes": out[4], "resident_hits": out[5],
-                "resident": bool(out[6]), "guessed": out[7], "guess_missing": out[8],
-                "tails_split": out[9], "tails_early": out[10], "tails_late": out[11]}
+                "resident": bool(out[6]), "guessed": out[7], "guess_missing": out[8]}
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:

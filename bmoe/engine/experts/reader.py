@@ -406,11 +406,9 @@ def _spread(reads: list[Read], lanes: int) -> list[list[Read]]:
 
 
 class ReadGroup:
-    """Reads a caller waits on together (one layer's misses, or one expert read ahead).
-    The first reads of a group may be its *head* (an expert's gate and up slices): `head`
-    is set once they are done (at once where there are none), `done` once all are."""
+    """Reads a caller waits on together (one layer's misses, or one expert read ahead)."""
 
-    __slots__ = ("left", "done", "nbytes", "error", "items", "prio", "head_left", "head")
+    __slots__ = ("left", "done", "nbytes", "error", "items", "prio")
 
     def __init__(self, prio: int) -> None:
         self.left = 0
@@ -419,24 +417,21 @@ class ReadGroup:
         self.error: BaseException | None = None
         self.items: list[_Item] = []
         self.prio = prio
-        self.head_left = 0
-        self.head = threading.Event()
 
 
 class _Item:
-    __slots__ = ("read", "group", "taken", "tail")
+    __slots__ = ("read", "group", "taken")
 
-    def __init__(self, read: Read, group: ReadGroup, tail: int) -> None:
-        self.read, self.group, self.taken, self.tail = read, group, False, tail
+    def __init__(self, read: Read, group: ReadGroup) -> None:
+        self.read, self.group, self.taken = read, group, False
 
 
 class LaneQueue:
-    """`lanes` reader threads serving one priority queue of reads (0 = needed now). Within
-    a priority, the groups' heads go before their tails."""
+    """`lanes` reader threads serving one priority queue of reads (0 = needed now)."""
 
     def __init__(self, reader: ExpertReader, lanes: int) -> None:
         self._reader = reader
-        self._heap: list[tuple[int, int, int, _Item]] = []
+        self._heap: list[tuple[int, int, _Item]] = []
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
@@ -447,24 +442,18 @@ class LaneQueue:
         for t in self._threads:
             t.start()
 
-    def submit(self, reads: list[Read], prio: int, wake: bool = True,
-               head: int = 0) -> ReadGroup:
-        """Queue `reads` as one group at `prio`, its first `head` reads as its head; with
-        `wake` false no lane is woken (the caller queues more and calls `wake` once)."""
+    def submit(self, reads: list[Read], prio: int, wake: bool = True) -> ReadGroup:
+        """Queue `reads` as one group at `prio`; with `wake` false no lane is woken (the
+        caller queues more and calls `wake` once)."""
         g = ReadGroup(prio)
-        split = self._reader.split
-        g.items = [_Item(piece, g, int(i >= head))
-                   for i, r in enumerate(reads) for piece in split([r])]
+        g.items = [_Item(r, g) for r in self._reader.split(reads)]
         g.left = len(g.items)
-        g.head_left = sum(1 for it in g.items if not it.tail)
-        if not g.head_left:
-            g.head.set()
         if not g.items:
             g.done.set()
             return g
         with self._cv:
-            for it in sorted(g.items, key=lambda it: (it.tail, -it.read.length)):
-                heapq.heappush(self._heap, (prio, it.tail, next(self._seq), it))
+            for it in sorted(g.items, key=lambda it: -it.read.length):
+                heapq.heappush(self._heap, (prio, next(self._seq), it))
             if wake:
                 self._wake(len(g.items) if prio == 0 else 1)
         return g
@@ -492,7 +481,7 @@ class LaneQueue:
             g.prio = 0
             left = [it for it in g.items if not it.taken]
             for it in left:
-                heapq.heappush(self._heap, (0, it.tail, next(self._seq), it))
+                heapq.heappush(self._heap, (0, next(self._seq), it))
             self._wake(len(left))
 
     def _lane(self) -> None:
@@ -506,7 +495,7 @@ class LaneQueue:
                         self._idle -= 1
                 if self._closed and not self._heap:
                     return
-                it = heapq.heappop(self._heap)[3]
+                _, _, it = heapq.heappop(self._heap)
                 if self._heap:
                     self._wake(1)          # more queued: the next idle lane takes one
                 if it.taken:
@@ -524,33 +513,25 @@ class LaneQueue:
                 g.nbytes += n
                 if err is not None and g.error is None:
                     g.error = err
-                self._finish(it)
-
-    @staticmethod
-    def _finish(it: _Item) -> None:
-        """One read of its group is over (with the condition held)."""
-        g = it.group
-        if not it.tail:
-            g.head_left -= 1
-            if g.head_left == 0:
-                g.head.set()
-        g.left -= 1
-        if g.left == 0:
-            g.done.set()
+                g.left -= 1
+                if g.left == 0:
+                    g.done.set()
 
     def close(self) -> None:
         """Stop the lanes after the reads in progress; the queued ones are dropped (their
         groups fail), so a long queue (a background fill) does not hold the close up."""
         with self._cv:
             self._closed = True
-            dropped = [entry[-1] for entry in self._heap if not entry[-1].taken]
+            dropped = [it for _, _, it in self._heap if not it.taken]
             self._heap.clear()
             for it in dropped:
                 it.taken = True
                 g = it.group
                 if g.error is None:
                     g.error = OSError("the reader closed before this read ran")
-                self._finish(it)
+                g.left -= 1
+                if g.left == 0:
+                    g.done.set()
             self._cv.notify_all()
         for t in self._threads:
             t.join()

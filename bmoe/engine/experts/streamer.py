@@ -108,7 +108,6 @@ from .reader import FRESH, ExpertReader, LaneQueue, Read, ReadError, ReadGroup
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
 PREFILL_BATCH = 512          # the session's PREFILL_CHUNK: tokens per ubatch at most
-DOWN_WAIT_ENV = "BMOE_DOWN_WAIT"    # "whole": a layer's down slices waited for with gate/up
 FILL_PRIO = 1 << 20          # a background fill's reads: after every token's and guess's
 _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
 
@@ -173,11 +172,6 @@ class ExpertStreamer:
         self._pending_out: dict[tuple[int, int], ReadGroup] = {}  # pages a read will take
         self._spec: np.ndarray = np.zeros((0, 0), dtype=bool)     # read ahead, not yet used
         self._guess: dict[int, np.ndarray] = {}                   # this token's guesses
-        # the down projection waited for after gate/up (native callback, lanes' queue):
-        # layer -> (groups whose tails are still to be waited for, the layer's misses)
-        self._split = False
-        self._tails: dict[int, tuple[list[ReadGroup], np.ndarray]] = {}
-        self._down_bufs: set[int] = set()        # id() of the down projections' buffers
         self._busy_at = 0.0
         self._src_unit: dict[int, tuple[int, int]] = {}
         self._populating = False
@@ -300,7 +294,6 @@ class ExpertStreamer:
         if (self.prefill_ahead and self.budget.mode != "all"
                 and self.budget.bytes < self._expert_bytes):
             self._start_prefill_ahead()
-        self._start_split()
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
 
     def prompt_needs(self, allocs: ContextAllocs) -> PromptNeeds:
@@ -414,32 +407,6 @@ class ExpertStreamer:
             f"the next layer's experts, guessed by its router ({len(routers)} of "
             f"{self.layout.n_layer} layers)" if routers else
             "the next layer's experts (every one, when a batch routes to that many)")
-
-    def _start_split(self) -> None:
-        """With the lanes' queue and the native callback, a layer's down slices are read
-        after its gate and up slices and waited for only once those have been multiplied
-        (`bmoe_evalcb_tail`): the down reads overlap the gate/up compute. Off with
-        `BMOE_DOWN_WAIT=whole` (for comparisons)."""
-        if self.queue is None:
-            return
-        if os.environ.get(DOWN_WAIT_ENV, "").strip().lower() == "whole":
-            self.load_info["down_wait"] = f"with gate/up: {DOWN_WAIT_ENV}=whole"
-            return
-        if self.native is None:
-            self.load_info["down_wait"] = "with gate/up: the Python callback"
-            return
-        kinds = {layer: {t.kind for t, _ in v} for layer, v in self._by_layer.items()}
-        if not any("down" in k and len(k) > 1 for k in kinds.values()):
-            self.load_info["down_wait"] = "with gate/up: no separate down projection"
-            return
-        # each layer's down slices last: its reads come after gate/up's (`_head_count`)
-        self._by_layer = {layer: tuple(sorted(v, key=lambda tb: tb[0].kind == "down"))
-                          for layer, v in self._by_layer.items()}
-        self._down_bufs = {id(buf) for v in self._by_layer.values()
-                           for t, buf in v if t.kind == "down"}
-        if self.native.tail(self._tail_native):
-            self._split = True
-            self.load_info["down_wait"] = "after gate/up"
 
     def _settle_file_pages(self, fd: int) -> None:
         """Drop the expert pages llama.cpp's load brought in; pin the dense ones if asked."""
@@ -558,53 +525,18 @@ class ExpertStreamer:
             return max(1, len(self._unbound))
 
     def _route_native(self, node: int, layer: int, k: int, n: int, row: int,
-                      data: int) -> int:
-        """The native callback's data phase of `ffn_moe_topk-<layer>`: 0 stops the graph,
-        2 says the layer's down slices are still to be waited for (`_tail_native`)."""
+                      data: int) -> bool:
+        """The native callback's data phase of `ffn_moe_topk-<layer>`; false stops the graph."""
         try:
             if layer < 0:
                 raise RuntimeError(f"unexpected routing node {ggml.name_of(node)!r}")
-            self._routed(node, layer, k, n, row, data, defer=self._split)
+            self._routed(node, layer, k, n, row, data)
             if not self._native_resident and self._all_resident_for_good():
                 self._enter_resident()
-            return 2 if layer in self._tails else 1
-        except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
-            self._fail(e)
-            return 0
-
-    def _tail_native(self, layer: int) -> bool:
-        """The native callback says layer `layer`'s gate/up matmuls are done: wait for its
-        down slices; false stops the graph."""
-        try:
-            self._wait_tail(layer)
             return True
         except BaseException as e:  # noqa: BLE001 - nothing may raise through llama.cpp
             self._fail(e)
             return False
-
-    def _wait_tail(self, layer: int) -> None:
-        """Wait for the reads `_ensure_queued` left in flight for `layer`'s down slices."""
-        pending = self._tails.pop(layer, None)
-        if pending is None:
-            return
-        groups, misses = pending
-        t0 = time.perf_counter()
-        failed = self._wait(groups)
-        stall = time.perf_counter() - t0
-        for cc in (self._turn if self._in_prefill else self._token, self._total):
-            cc.io_s += stall
-            cc.stall_s += stall
-            cc.read_bytes += groups[0].nbytes
-        if failed is not None:
-            self._forget(layer, misses)
-            self._sweep()
-            raise failed
-
-    def _drain_tails(self) -> None:
-        """Wait for every layer's down slices still in flight (a graph that stopped before
-        their matmul, or the Python callback)."""
-        for layer in list(self._tails):
-            self._wait_tail(layer)
 
     def _all_resident_for_good(self) -> bool:
         """Every expert is in memory and nothing will evict or read one: the model fits
@@ -673,10 +605,8 @@ class ExpertStreamer:
         layer = int(ggml.name_of(node)[len(_TOPK):])
         self._routed(node, layer, int(tt.ne[0]), int(tt.ne[1]), int(tt.nb[1]), tt.data or 0)
 
-    def _routed(self, node: int, layer: int, k: int, n: int, row: int, data: int,
-                defer: bool = False) -> None:
-        """Layer `layer`'s routing, I32 [k, n] with rows `row` bytes apart at `data`; with
-        `defer`, its down slices may be left in flight (`_tails`)."""
+    def _routed(self, node: int, layer: int, k: int, n: int, row: int, data: int) -> None:
+        """Layer `layer`'s routing, I32 [k, n] with rows `row` bytes apart at `data`."""
         if n == 0 or k == 0:
             return        # the last layer of a prefill chunk that outputs no logits
         if not data or row < 4 * k or row % 4:
@@ -695,21 +625,19 @@ class ExpertStreamer:
                                f"0..{self.layout.n_expert - 1}")
         if self.record_routing and n == 1:
             self._route_row[layer] = ids[0]
-        self.ensure(layer, used, defer=defer)
+        self.ensure(layer, used)
         if self._batch_routers is not None and n > 1:
             self._prefill_ahead(layer, node, n)
         if self.predictor is not None and n == 1:
             self.predictor.last[layer] = ids[0].astype(np.int64)
             self._read_ahead(layer, node)
 
-    def ensure(self, layer: int, ids: np.ndarray, defer: bool = False) -> Admission:
-        """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses);
-        with `defer` (the native callback, on the lanes' queue) the down slices may still
-        be in flight on return: `_wait_tail(layer)` waits for them."""
+    def ensure(self, layer: int, ids: np.ndarray) -> Admission:
+        """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses)."""
         if self.reader is not None:
             self.reader.check()          # a read timed out before: nothing reads any more
         if self.queue is not None:
-            return self._ensure_queued(layer, ids, defer)
+            return self._ensure_queued(layer, ids)
         assert self.cache is not None and self.reader is not None
         t0 = time.perf_counter()
         adm = self.cache.admit(layer, ids)
@@ -729,13 +657,10 @@ class ExpertStreamer:
 
     # -- read-ahead ------------------------------------------------------------------
 
-    def _ensure_queued(self, layer: int, ids: np.ndarray, defer: bool = False) -> Admission:
+    def _ensure_queued(self, layer: int, ids: np.ndarray) -> Admission:
         """`ensure` with the lanes on the queue: wait for guesses in flight, read the rest
-        at priority 0. With `defer`, wait only for the gate/up slices (the groups' heads)
-        and leave the down slices' reads to `_wait_tail`."""
+        at priority 0."""
         assert isinstance(self.cache, ExpertCache) and self.queue is not None
-        if self._tails:
-            self._drain_tails()
         t0 = time.perf_counter()
         self._sweep()
         waits = [g for e in ids.tolist()
@@ -758,42 +683,28 @@ class ExpertStreamer:
             for buf, addr in pages:
                 buf.release_at(addr, length)
         t1 = time.perf_counter()
-        defer = defer and self._split
-        group = self.queue.submit(reads, 0, head=self._head_count(reads) if defer else 0)
-        if defer:        # the down reads may still move victims' pages after we return
-            self._note_pending(reads, group)
+        group = self.queue.submit(reads, 0)
         for g in waits:
             self.queue.promote(g)
-        groups = [group, *waits]
-        failed = self._wait(groups, head=defer)
+        failed = self._wait([group, *waits])
         stall = time.perf_counter() - t1
         if failed is not None:
             self._forget(layer, adm.misses)
             self._sweep()
             raise failed
-        if defer and not all(g.done.is_set() for g in groups):
-            self._tails[layer] = (groups, adm.misses)
-            self._count(t1 - t0, stall, 0, adm)      # the bytes are counted at the tail
-        else:
-            self._count(t1 - t0, stall, group.nbytes, adm)
+        self._count(t1 - t0, stall, group.nbytes, adm)
         for cc in (c, self._total):
             cc.stall_s += stall
         return adm
 
-    def _wait(self, groups: list[ReadGroup], head: bool = False) -> BaseException | None:
-        """Wait for `groups` (with `head`, for their heads only); a group not done within
-        the reader's timeout breaks it."""
+    def _wait(self, groups: list[ReadGroup]) -> BaseException | None:
+        """Wait for `groups`; a group not done within the reader's timeout breaks it."""
         assert self.reader is not None
         deadline = time.monotonic() + self.reader.timeout_s
         for g in groups:
-            if not (g.head if head else g.done).wait(max(0.0, deadline - time.monotonic())):
+            if not g.done.wait(max(0.0, deadline - time.monotonic())):
                 return self.reader.give_up()
         return next((g.error for g in groups if g.error is not None), None)
-
-    def _head_count(self, reads: list[Read]) -> int:
-        """How many of `reads` (a layer's, down slices last) are gate/up slices."""
-        down = self._down_bufs
-        return sum(1 for r in reads if id(r.buffer) not in down)
 
     def _score_guess(self, layer: int, ids: np.ndarray, c: _Counters) -> None:
         guess = self._guess.pop(layer, None)
@@ -877,8 +788,7 @@ class ExpertStreamer:
             cc.evictions += len(adm.victims)
         for e in adm.misses.tolist():
             reads = self._reads_for(j, np.array([e]), spare)
-            g = self.queue.submit(reads, prio, wake=False,
-                                  head=self._head_count(reads) if self._split else 0)
+            g = self.queue.submit(reads, prio, wake=False)
             self._inflight[(j, e)] = g
             self.cache.pinned[j, e] = True
             self._spec[j, e] = True
@@ -1135,9 +1045,7 @@ class ExpertStreamer:
         return {"cb_asks": st["asks"], "cb_bind_calls": st["bind_calls"],
                 "cb_route_calls": st["route_calls"], "cb_binding": st["binding"],
                 "cb_resident_routes": st["resident_routes"], "cb_resident": st["resident"],
-                "cb_guessed": st["guessed"], "cb_guess_missing": st["guess_missing"],
-                "cb_tails_split": st["tails_split"], "cb_tails_early": st["tails_early"],
-                "cb_tails_late": st["tails_late"]}
+                "cb_guessed": st["guessed"], "cb_guess_missing": st["guess_missing"]}
 
     def failure(self) -> str | None:
         """The message of a failure inside the graph callback since the last call, if any."""
