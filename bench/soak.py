@@ -19,11 +19,16 @@ live event streams per server, below the spec's limits (16 waiting turns, 8 stre
 503 is a failure too.
 
 Growth: after the warm-up (a fifth of the run, at least 30 s) the clients pause, the
-server goes quiet and a *baseline* is sampled; at the end the clients stop, the server
-goes quiet again and the *final* sample must hold RSS within 5 % of the baseline, and
-descriptors, trio tasks, threads and subscribers no more than at the baseline. RSS,
-descriptors and threads are read from /proc/<pid> (the kernel's figures); trio tasks
-and subscribers from the server's `/metrics?process=1` (`bmoe:process_*`, counted at the scrape).
+server goes quiet and a *baseline* is sampled; halfway through the rest the clients pause
+again for a *mid-run* sample, and at the end they stop for the *final* one. Each quiet
+sample waits for the server's heap trim of that quiet spell (`bmoe:process_heap_trims_total`),
+so all three are taken in the same state. RSS fails when it grew more than 2 % in each
+half (a leak grows with the work) or more than 10 % in all (a high-water mark, such as a
+burst's heaps, steps once); descriptors, trio tasks, threads and subscribers must be no
+more at the end than at the baseline. RSS, descriptors and threads are read from
+/proc/<pid> (the kernel's figures); trio tasks, subscribers and trims from the server's
+`/metrics?process=1` (`bmoe:process_*`, counted at the scrape). A failure names the
+mappings (smaps) that grew most.
 """
 
 from __future__ import annotations
@@ -58,10 +63,17 @@ from bmoe.modelmaker.projector import make_vision_pair  # noqa: E402
 MOE = dict(n_layer=4, n_embd=128, n_expert=8, n_expert_used=4, n_ff_exp=64,
            residual_scale=0.3)
 SAMPLE_S = 10.0
+TRIM_WAIT_S = 30.0     # a quiet server trims its heaps after 5 s (bmoe/server/trim.py)
 # Every client, SDK or raw HTTP, waits this long for an answer (a request may wait on the
 # turn line behind other turns: the streamed server serves one at a time).
 CLIENT_TIMEOUT_S = 120.0
-RSS_GROWTH = 0.05
+# A leak grows with the work, so in both halves of the run; a high-water mark (a burst's
+# heaps, the allocator's per-thread arenas) steps once. RSS fails when it grew more than
+# RSS_HALF in each half (quiet samples after the warm-up, mid-run and at the end), or
+# more than RSS_TOTAL over the whole run.
+RSS_HALF = 0.02
+RSS_TOTAL = 0.10
+N_CTX = 4096
 # The servers' n-predict: an answer whose request sets no limit (the agent's rounds) ends
 # here. Left at 0 (up to the context), an agent round on the tiny model's random weights
 # wrote 4,096 tokens, 29 s on the streamed server, and the turns queued behind it are what
@@ -80,7 +92,7 @@ class Server:
         self.name = name
         self.vision = vision
         cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir", str(data),
-               "--no-auto", "--threads", "1", "--metrics", "-m", str(model), "-c", "4096",
+               "--no-auto", "--threads", "1", "--metrics", "-m", str(model), "-c", str(N_CTX),
                "--n-predict", str(N_PREDICT), *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.log = open(data.parent / f"{name}.log", "w")
@@ -128,6 +140,9 @@ class Server:
         out: dict[str, Any] = {
             "t": round(time.monotonic(), 1),
             "rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
+            "rss_anon_mib": round(int(fields["RssAnon"].split()[0]) / 1024, 1),
+            "rss_file_mib": round(int(fields["RssFile"].split()[0]) / 1024, 1),
+            "heap_trims": -1,
             "threads": int(fields["Threads"]),
             "fds": len(os.listdir(f"/proc/{pid}/fd")),
         }
@@ -137,7 +152,22 @@ class Server:
                     out["trio_tasks"] = int(float(line.split()[1]))
                 elif line.startswith("bmoe:process_event_subscribers "):
                     out["subscribers"] = int(float(line.split()[1]))
+                elif line.startswith("bmoe:process_heap_trims_total "):
+                    out["heap_trims"] = int(float(line.split()[1]))
         return out
+
+    def mappings(self) -> dict[str, int]:
+        """Resident KiB per mapping name (anonymous ones as `[anon]`), from smaps: what a
+        growth report names."""
+        out: collections.Counter[str] = collections.Counter()
+        name = "[anon]"
+        for line in Path(f"/proc/{self.proc.pid}/smaps").read_text().splitlines():
+            head = line.split(None, 5)
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                name = head[5].strip() if len(head) > 5 else "[anon]"
+            elif line.startswith("Rss:"):
+                out[name] += int(line.split()[1])
+        return dict(out)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -221,7 +251,7 @@ class Client(threading.Thread):
                    (self.chat_cancelled, 1), (self.messages_stream, 3),
                    (self.responses_stream, 3), (self.events, 2), (self.websocket, 2),
                    (self.decide, 1), (self.reads, 3), (self.config_write, 1),
-                   (self.llama_routes, 3), (self.agent_run, 1)]
+                   (self.llama_routes, 3), (self.agent_run, 1), (self.long_prompt, 1)]
         if self.srv.vision:
             actions.append((self.image_chat, 2))
         return actions
@@ -251,14 +281,20 @@ class Client(threading.Thread):
         self.tally.took(self.srv.name, name, time.monotonic() - t0)
 
     def first_pass(self) -> None:
-        """Every action once, in the calling thread, before any client thread starts.
+        """Every action once, in the calling thread, before any client thread starts, the
+        long prompt at the context's full length.
 
         The SDKs' pydantic models build their validators lazily, on first use, and that
         build is not thread-safe (pydantic 2.13: two threads validating a ChatCompletion
         for the first time at once can see a half-built class and raise AttributeError
-        `__pydantic_core_schema__`). One serial pass builds them all first."""
+        `__pydantic_core_schema__`). One serial pass builds them all first. The full
+        context is the largest request of the run: the server's resident memory rises
+        with the longest prompt decoded so far (llama.cpp's buffers are allocated at load,
+        their pages become resident as a prompt first reaches them; about 6 MiB on the
+        tiny model between a 70- and a 3,850-token prompt), so the warm-up reaches that
+        high-water mark and the run's long prompts check that it holds."""
         for fn, _ in self.actions():
-            self.attempt(fn)
+            self.attempt(self.full_prompt if fn == self.long_prompt else fn)
 
     def run(self) -> None:
         fns, weights = zip(*self.actions(), strict=True)
@@ -446,6 +482,26 @@ class Client(threading.Thread):
         status, _ = _raw(self.srv, "DELETE", f"/api/conversations/{cid}")
         self.tally.add(self.srv.name, "agent_delete", status)
 
+    def full_prompt(self) -> None:
+        self.long_prompt(full=True)
+
+    def long_prompt(self, full: bool = False) -> None:
+        """llama-server's `/completion` on a prompt of a random length up to the whole
+        context (token ids, the prompt's cache off so all of it is decoded)."""
+        status, body = _raw(self.srv, "POST", "/tokenize",
+                            {"content": " ".join(self.rng.choice(PROMPTS) for _ in range(400))})
+        self.tally.add(self.srv.name, "tokenize", status)
+        if status != 200:
+            return
+        tokens = body["tokens"]
+        room = N_CTX - 8                     # the answer's few tokens fit after it
+        n = room if full else self.rng.randint(256, room)
+        prompt = (tokens * (n // max(1, len(tokens)) + 1))[:n]
+        status, _ = _raw(self.srv, "POST", "/completion",
+                         {"prompt": prompt, "n_predict": self.rng.randint(1, 4),
+                          "cache_prompt": False})
+        self.tally.add(self.srv.name, "long_prompt", status)
+
     def llama_routes(self) -> None:
         status, _ = _raw(self.srv, "POST", "/completion",
                          {"prompt": self._prompt(), "n_predict": self.rng.randint(2, 12)})
@@ -472,8 +528,35 @@ def quiet(servers: list[Server], clients: list[Client], settle_s: float = 12.0
             if not info.get("generating") and not info.get("waiting"):
                 break
             time.sleep(0.2)
+    trims = {srv.name: srv.sample()["heap_trims"] for srv in servers}
     time.sleep(settle_s)
-    return {srv.name: srv.sample() for srv in servers}
+    out = {}
+    for srv in servers:
+        # the server gives its heaps' free pages back once per quiet spell: sample after
+        # that, so every quiet sample is taken in the same state
+        until = time.monotonic() + TRIM_WAIT_S
+        row = srv.sample()
+        while row["heap_trims"] <= trims[srv.name] and time.monotonic() < until:
+            time.sleep(0.5)
+            row = srv.sample()
+        out[srv.name] = {**row, "trimmed": row["heap_trims"] > trims[srv.name],
+                         "mappings": srv.mappings()}
+    return out
+
+
+def rss_growth(base: float, mid: float, final: float) -> str:
+    """Why RSS counts as growing over the run ("" when it does not): more than RSS_HALF
+    in both halves (a leak grows with the work), or more than RSS_TOTAL in all."""
+    if final > base * (1 + RSS_TOTAL):
+        return f"grew more than {RSS_TOTAL:.0%} over the run"
+    if mid > base * (1 + RSS_HALF) and final > mid * (1 + RSS_HALF):
+        return f"grew more than {RSS_HALF:.0%} in each half of the run"
+    return ""
+
+
+def _brief(sample: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: {k: v for k, v in row.items() if k != "mappings"}
+            for name, row in sample.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -530,13 +613,19 @@ def main(argv: list[str] | None = None) -> int:
         sample_until(t0 + warmup, "warm-up")
         go.clear()
         baseline = quiet(servers, clients)
-        print("baseline (quiet, after warm-up):", json.dumps(baseline), flush=True)
+        print("baseline (quiet, after warm-up):", json.dumps(_brief(baseline)), flush=True)
         go.set()
-        sample_until(t0 + total, "run")
+        half = (total - warmup) / 2
+        sample_until(t0 + warmup + half, "run")
+        go.clear()
+        mid = quiet(servers, clients)
+        print("mid-run (quiet):", json.dumps(_brief(mid)), flush=True)
+        go.set()
+        sample_until(time.monotonic() + half, "run")
         stop.set()
         go.set()
         final = quiet(servers, clients)
-        print("final (quiet, after the run):", json.dumps(final), flush=True)
+        print("final (quiet, after the run):", json.dumps(_brief(final)), flush=True)
         for c in clients:
             c.join(60)
     finally:
@@ -550,10 +639,16 @@ def main(argv: list[str] | None = None) -> int:
 
     problems = list(tally.failures)
     for srv in servers:
-        b, f = baseline[srv.name], final[srv.name]
-        if f["rss_mib"] > b["rss_mib"] * (1 + RSS_GROWTH):
-            problems.append(f"{srv.name}: RSS grew {b['rss_mib']} -> {f['rss_mib']} MiB "
-                            f"(more than {RSS_GROWTH:.0%})")
+        b, m, f = baseline[srv.name], mid[srv.name], final[srv.name]
+        why = rss_growth(b["rss_mib"], m["rss_mib"], f["rss_mib"])
+        if why:
+            grew = sorted(((f["mappings"].get(k, 0) - b["mappings"].get(k, 0), k)
+                           for k in set(b["mappings"]) | set(f["mappings"])), reverse=True)
+            problems.append(f"{srv.name}: RSS {b['rss_mib']} -> {m['rss_mib']} -> "
+                            f"{f['rss_mib']} MiB: {why} (anonymous {b['rss_anon_mib']} -> "
+                            f"{f['rss_anon_mib']}, files {b['rss_file_mib']} -> "
+                            f"{f['rss_file_mib']}; grew most: "
+                            + ", ".join(f"{k} +{v} KiB" for v, k in grew[:5] if v > 0) + ")")
         for key in ("fds", "trio_tasks", "subscribers", "threads"):
             if f[key] > b[key]:
                 problems.append(f"{srv.name}: {key} {b[key]} after warm-up, {f[key]} at the end")
@@ -563,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                and int(k.split()[1]) >= 500)
     report = {"minutes": args.minutes, "warmup_s": warmup, "clients_per_server": len(clients) // 2,
               "requests_by_status": statuses, "actions": actions, "5xx": n5xx,
-              "start": start, "baseline": baseline, "final": final,
+              "start": start, "baseline": baseline, "mid": mid, "final": final,
               "rss_ratio": {s.name: round(final[s.name]["rss_mib"] /
                                           baseline[s.name]["rss_mib"], 4) for s in servers},
               "latency": tally.latency(), "samples": samples, "problems": problems}
@@ -573,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     print("slowest actions:", "; ".join(f"{k} max {v['max_s']} s (p99 {v['p99_s']}, n {v['n']})"
                                         for k, v in slow))
     for srv in servers:
-        print(f"{srv.name}: RSS {baseline[srv.name]['rss_mib']} -> {final[srv.name]['rss_mib']}"
+        print(f"{srv.name}: RSS {baseline[srv.name]['rss_mib']} -> {mid[srv.name]['rss_mib']}"
+              f" -> {final[srv.name]['rss_mib']}"
               f" MiB (ratio {report['rss_ratio'][srv.name]}), fds {baseline[srv.name]['fds']}"
               f" -> {final[srv.name]['fds']}, trio tasks {baseline[srv.name]['trio_tasks']} -> "
               f"{final[srv.name]['trio_tasks']}, threads {baseline[srv.name]['threads']} -> "

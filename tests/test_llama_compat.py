@@ -403,6 +403,22 @@ def test_metrics_parse_and_move_by_one_request(srv: ServerProcess) -> None:
         before["bmoe:expert_cache_hits_total"] + before["bmoe:expert_cache_misses_total"]
 
 
+def test_process_metrics_only_when_asked_for(srv: ServerProcess) -> None:
+    plain = scrape(srv)
+    status, _, payload = srv.request("GET", "/metrics?process=1")
+    assert status == 200
+    text = payload.decode() if isinstance(payload, bytes) else str(payload)
+    process = {s.name: s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples}
+    names = ("bmoe:process_trio_tasks", "bmoe:process_event_subscribers",
+             "bmoe:process_threads", "bmoe:process_open_fds", "bmoe:process_resident_bytes",
+             "bmoe:process_heap_trims_total")
+    assert not any(n in plain for n in names)
+    assert all(n in process for n in names), sorted(process)
+    assert process["bmoe:process_resident_bytes"] > 1 << 20
+    assert process["bmoe:process_heap_trims_total"] >= 0
+
+
 def test_metrics_off_without_the_flag(server: ServerProcess) -> None:
     status, _, payload = server.request("GET", "/metrics")
     assert status == 501 and is_llama_error(payload, 501)

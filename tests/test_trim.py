@@ -73,6 +73,7 @@ def test_the_server_trims_once_per_quiet_spell_on_the_engine_thread(
                 assert calls == []                       # not quiet long enough yet
                 await trio.sleep(0.6)
                 assert len(calls) == 1                   # once, not once per poll
+                assert rt.heap_trims == 1                # counted for /metrics?process=1
                 engine_thread = calls[0]
                 assert engine_thread != threading.current_thread().name
                 with rt.generation(threading.Event()):   # a turn runs for a while
@@ -82,6 +83,7 @@ def test_the_server_trims_once_per_quiet_spell_on_the_engine_thread(
                 assert len(calls) == 1                   # its end starts a new spell
                 await trio.sleep(0.5)
                 assert calls == [engine_thread, engine_thread]
+                assert rt.heap_trims == 2
                 with rt.active():                        # a model route under way
                     rt.last_active = time.monotonic() - 10
                     await trio.sleep(0.3)

@@ -97,6 +97,7 @@ class Scraped(Protocol):
     metrics: Metrics
     bus: EventBus
     turns: TurnLine
+    heap_trims: int
 
     @property
     def generating(self) -> bool: ...
@@ -187,6 +188,8 @@ def _process_metrics(state: Scraped) -> Iterator[Metric]:
                  "bmoe:")
     yield _gauge("process_resident_bytes", "Resident memory (-1: unknown).", _rss_bytes(),
                  "bmoe:")
+    yield _counter("process_heap_trims", "Quiet spells after which the server gave its "
+                   "heaps' free pages back to the system.", state.heap_trims, "bmoe:")
 
 
 def _counter(name: str, doc: str, value: float, prefix: str = "llamacpp:") -> Metric:

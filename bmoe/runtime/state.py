@@ -161,6 +161,7 @@ class Runtime:
         self.stopping = False                    # the server is stopping (service/stopping.py)
         self.asleep: Asleep | None = None        # --sleep-idle-seconds (sleep.py)
         self.last_active = time.monotonic()      # a model route or a turn last ended
+        self.heap_trims = 0                      # quiet spells whose free heap went back (trim.py)
         self._active = 0                         # model routes under way
 
     def model_name(self) -> str:

@@ -6,8 +6,9 @@ eight clients at once holds on to several MiB it no longer uses, until the proce
 A local server people leave running should not keep that. So once nothing has used the
 model for `QUIET_S` seconds (no turn running or waiting, no model route under way), the
 server asks glibc's `malloc_trim(0)` to return its heaps' free pages to the system, once
-per quiet spell. It runs on the engine thread, which is idle then, so it neither blocks
-the event loop nor starts a thread; it takes a few milliseconds.
+per quiet spell (`/metrics?process=1` counts them: `bmoe:process_heap_trims_total`). It
+runs on the engine thread, which is idle then, so it neither blocks the event loop nor
+starts a thread; it takes a few milliseconds.
 
 Only free pages go back: memory in use, by Python or by llama.cpp, is untouched, so a
 real leak still shows as growth (the soak, `bench/soak.py`, samples RSS quiet). On a C
@@ -64,3 +65,4 @@ async def run(state: Runtime, task_status: trio.TaskStatus[None] = trio.TASK_STA
             continue
         await wait_future(state.engine.submit(trim))
         trimmed_for = since
+        state.heap_trims += 1
