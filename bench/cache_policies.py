@@ -113,7 +113,8 @@ class BypassCache(ExpertCache):
     evictable resident one is read into a scratch slot and not kept. The scratch (one
     layer's k units) is taken from the budget, so the memory is the same."""
 
-    def _take(self, layer: int, misses: np.ndarray, adm: Admission, protect_from: int) -> None:
+    def _take(self, layer: int, misses: np.ndarray, adm: Admission, protect_from: int,
+              ok: np.ndarray | None = None) -> None:
         self.resident[layer, misses] = True
         self.loaded[layer, misses] = True
         self.resident_bytes += len(misses)

@@ -133,3 +133,26 @@ def test_reuse_ranks_units_of_one_cell_by_their_counts() -> None:
         within3, within4 = 1 - 0.7 ** 4, 1 - 0.6 ** 4
         assert chance[0, e] == pytest.approx(within3 * (1 - w) + within4 * w, rel=1e-5)
     assert chance[0, 1] > chance[0, 0]                # the more used one kept longer
+
+
+def test_reuse_chances_kept_between_calls_equal_a_fresh_scoring() -> None:
+    """`reuse_chance` scores again only the rows that changed since the last call (the
+    layers admitted, or all when the table is remade): it must equal scoring every unit
+    from scratch, whatever the order of admits, read-aheads and victim choices."""
+    rng = np.random.default_rng(7)
+    n_layer, n_expert = 6, 32
+    c = ExpertCache(np.full(n_layer, 1), n_expert=n_expert, budget=60, policy="reuse")
+    for step in range(400):
+        layer = step % n_layer
+        c.admit(layer, np.unique(rng.integers(0, n_expert, 4)))
+        if rng.random() < 0.5:
+            c.admit_spec((layer + 1) % n_layer, np.unique(rng.integers(0, n_expert, 3)))
+        if step % 7 == 0:
+            kept = c.reuse_chance().copy()
+            fresh = ExpertCache.__new__(ExpertCache)
+            fresh.__dict__.update({k: (v.copy() if isinstance(v, np.ndarray) else v)
+                                   for k, v in c.__dict__.items()})
+            fresh._stale = set(range(n_layer))
+            fresh._chance = np.full((n_layer, n_expert), np.nan)
+            np.testing.assert_array_equal(kept, fresh.reuse_chance())
+    assert c.evictions > 100            # the victims were chosen from these chances

@@ -3,7 +3,8 @@
 The cache holds *units* (layer, expert) and counts bytes against a budget. Bookkeeping
 is a few numpy arrays indexed [layer, expert] (resident, last use, use frequency, ever
 loaded, pinned), never a Python object per expert: a lookup is one fancy index, choosing
-victims one `argpartition` over a score.
+victims one `argpartition` over the evictable units' scores (kept between choices: a
+layer's row is scored again only when that layer is admitted or the table is remade).
 
 `admit(layer, ids)` is called when the router of `layer` has chosen `ids` (every expert
 some token of the batch routes to) and before the layer's expert matmuls run. It returns
@@ -58,7 +59,6 @@ import numpy as np
 
 POLICIES = ("reuse", "next-use", "lru", "lfu")
 DEFAULT_POLICY = "reuse"
-_KEEP = np.inf          # the score of a unit that may not be evicted
 _DECAY = 0.2            # next-use / lfu: weight of the newest token in the use frequency
 _P_MIN = 1e-3           # the use chance of a unit never routed
 # reuse: the learned hazard table
@@ -112,6 +112,11 @@ class ExpertCache:
         self._seen_total = 0.0
         self._within: np.ndarray | None = None    # the table's chances, once per token
         self._learned = 0                         # admits since `_within` was made
+        # each unit's chance (`reuse_chance`), kept between victim choices: a unit's row
+        # changes only when its layer is admitted (its gaps and levels) or the table is
+        # remade, so only those rows are scored again
+        self._chance = np.zeros((n_layer, n_expert), dtype=np.float64)
+        self._stale: set[int] = set(range(n_layer))
         self.tick = 0
         self.demand_tick = 0          # the tick of the last admit(): its units are in use
         self.last_layer = -1
@@ -159,8 +164,10 @@ class ExpertCache:
         if not len(misses):
             return adm
         need = int(self.unit_bytes[layer]) * len(misses)
+        ok = None
         if self.resident_bytes + need > self.budget:
-            free = self._evictable_bytes(self.demand_tick)
+            ok = self._evictable(self.demand_tick)     # the misses are not among them
+            free = int(self.bytes_of.ravel()[ok].sum())
             if self.resident_bytes + need - free > self.budget:
                 # not room for all: keep the first ones (the caller orders by confidence)
                 room = self.budget - self.resident_bytes + free
@@ -170,14 +177,15 @@ class ExpertCache:
                     return adm
         self.stamp[layer, misses] = self.tick
         self.spec_p[layer, misses] = chance
-        self._take(layer, misses, adm, protect_from=self.demand_tick)
+        self._take(layer, misses, adm, protect_from=self.demand_tick, ok=ok)
         return adm
 
-    def _take(self, layer: int, misses: np.ndarray, adm: Admission, protect_from: int) -> None:
+    def _take(self, layer: int, misses: np.ndarray, adm: Admission, protect_from: int,
+              ok: np.ndarray | None = None) -> None:
         need = int(self.unit_bytes[layer]) * len(misses)
         over = self.resident_bytes + need - self.budget
         if over > 0:
-            adm.victims = self._victims(over, protect_from)
+            adm.victims = self._victims(over, protect_from, ok)
         self.resident[layer, misses] = True
         self.loaded[layer, misses] = True
         self.resident_bytes += need
@@ -218,6 +226,7 @@ class ExpertCache:
         level = np.minimum(np.log2(count + 1.0), _BUCKETS - 1)
         self.level[layer] = level
         self.bucket[layer] = (level + 0.5).astype(np.int64)
+        self._stale.add(layer)
 
     def _within_table(self) -> np.ndarray:
         """[gap, bucket] -> the chance of use within `_HORIZON` visits: 1 - prod(1 - h)
@@ -237,18 +246,31 @@ class ExpertCache:
             # one more bucket, a copy of the last: the interpolation's upper neighbour
             self._within = np.hstack([within, within[:, -1:]])
             self._learned = 0
+            self._stale.update(range(self.n_layer))
         return self._within
 
     def reuse_chance(self) -> np.ndarray:
         """reuse: [n_layer, n_expert], each unit's chance of being routed within the next
-        `_HORIZON` visits of its layer, from the learned table."""
+        `_HORIZON` visits of its layer, from the learned table (the cache's own array,
+        kept between calls: read it, do not write to it)."""
         within = self._within_table()
-        gap = self._gap(slice(None))
+        stale = self._stale
+        if len(stale) > 2:
+            self._score_rows(slice(None), within)
+        else:
+            for layer in stale:
+                self._score_rows(layer, within)
+        stale.clear()
+        return self._chance
+
+    def _score_rows(self, rows: slice | int, within: np.ndarray) -> None:
+        gap = self._gap(rows)
         # between two buckets' centres the chance is interpolated, so that units of one
         # cell are still ranked by their counts
-        lo = self.level.astype(np.int64)
+        level = self.level[rows]
+        lo = level.astype(np.int64)
         below = within[gap, lo]
-        return below + (within[gap, lo + 1] - below) * (self.level - lo)
+        self._chance[rows] = below + (within[gap, lo + 1] - below) * (level - lo)
 
     def _keep_score(self) -> np.ndarray:
         """Higher is kept longer (flat, [n_layer * n_expert])."""
@@ -269,17 +291,22 @@ class ExpertCache:
     def _evictable_bytes(self, protect_from: int) -> int:
         return int(self.bytes_of.ravel()[self._evictable(protect_from)].sum())
 
-    def _victims(self, over: int, protect_from: int) -> list[tuple[int, int]]:
-        """The resident units kept least (not protected) freeing >= `over` bytes."""
-        ok = self._evictable(protect_from)
-        n_cand = int(np.count_nonzero(ok))
-        if n_cand == 0:
+    def _victims(self, over: int, protect_from: int, ok: np.ndarray | None = None
+                 ) -> list[tuple[int, int]]:
+        """The resident units kept least (not protected) freeing >= `over` bytes (`ok`:
+        the evictable mask, when the caller has it)."""
+        cand = np.flatnonzero(self._evictable(protect_from) if ok is None else ok)
+        if not len(cand):
             return []
-        score = np.where(ok, self._keep_score(), _KEEP)
-        k = min(n_cand, -(-over // self._min_unit))
-        part = np.argpartition(score, k - 1)[:k] if k < score.size else np.arange(score.size)
-        order = part[np.argsort(score[part], kind="stable")]
-        order = order[ok[order]]
+        score = self._keep_score()[cand]       # ranked among the candidates only
+        k = min(len(cand), -(-over // self._min_unit))
+        if k == 1:        # one unit frees enough: argmin is cheaper than a partition
+            part = np.array([int(np.argmin(score))])
+        elif k < len(cand):
+            part = np.argpartition(score, k - 1)[:k]
+        else:
+            part = np.arange(len(cand))
+        order = cand[part[np.argsort(score[part], kind="stable")]]
         sizes = self.bytes_of.ravel()[order]
         cut = int(np.searchsorted(np.cumsum(sizes), over)) + 1
         chosen = order[:cut]
