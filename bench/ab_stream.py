@@ -14,6 +14,13 @@ docs/benchmarks.md).
     sudo .venv/bin/python bench/ab_stream.py ~/.cache/bmoe-bench/gpt-oss-120b-12L-mxfp4_moe.gguf \\
         --rounds 5 'python={"env": {"BMOE_EVAL_CALLBACK": "python"}}' 'native={}'
 
+A variant may also name another checkout of the project (`"tree": PATH`, its native
+extension built): its worker, and so its code, runs that variant, to compare two
+revisions of the engine run by run:
+
+    git worktree add /tmp/before HEAD~1 && cp bmoe/native/*.so /tmp/before/bmoe/native/
+    sudo .venv/bin/python bench/ab_stream.py MODEL --rounds 5 'before={"tree": "/tmp/before"}' 'now={}'
+
 `--throttle-mibps` runs every worker in a blkio cgroup whose reads are throttled to that
 rate (cgroup v1), to compare variants where reads bound the token.
 
@@ -44,7 +51,7 @@ VALUES: dict[str, Any] = {"moe-stream": True, "cache-mb": "auto", "overlap": Tru
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+def parse_variant(text: str) -> tuple[str, dict[str, str], dict[str, Any], Path]:
     name, sep, spec = text.partition("=")
     if not sep or not name:
         raise SystemExit(f"a variant is NAME=JSON, not {text!r}")
@@ -52,9 +59,16 @@ def parse_variant(text: str) -> tuple[str, dict[str, str], dict[str, Any]]:
         d = json.loads(spec or "{}")
     except json.JSONDecodeError as e:
         raise SystemExit(f"variant {name}: {spec!r} is not JSON ({e.msg})") from None
-    if not isinstance(d, dict) or set(d) - {"env", "values"}:
-        raise SystemExit(f"variant {name}: give an object with 'env' and/or 'values'")
-    return name, {k: str(v) for k, v in d.get("env", {}).items()}, dict(d.get("values", {}))
+    if not isinstance(d, dict) or set(d) - {"env", "values", "tree"}:
+        raise SystemExit(f"variant {name}: give an object with 'env', 'values' and/or 'tree'")
+    worker = WORKER
+    if "tree" in d:
+        worker = Path(str(d["tree"])).expanduser().resolve() / "bench" / WORKER.name
+        if not worker.is_file():
+            raise SystemExit(f"variant {name}: {worker} does not exist: 'tree' is a "
+                             "checkout of this project")
+    return (name, {k: str(v) for k, v in d.get("env", {}).items()}, dict(d.get("values", {})),
+            worker)
 
 
 def throttle(mibps: float, path: Path) -> Path | None:
@@ -75,11 +89,11 @@ def throttle(mibps: float, path: Path) -> Path | None:
 
 
 def run(cap: MemoryCap, model: str, values: dict[str, Any], env: dict[str, str],
-        args: argparse.Namespace) -> dict[str, float]:
+        args: argparse.Namespace, worker: Path = WORKER) -> dict[str, float]:
     spec = {"model": model, "values": {**VALUES, **values}, "tokens": args.tokens,
             "threads": args.threads}
     drop_caches()
-    proc = cap.run([sys.executable, str(WORKER), "--worker", json.dumps(spec)],
+    proc = cap.run([sys.executable, str(worker), "--worker", json.dumps(spec)],
                    timeout=args.run_timeout, env=dict(os.environ, **env))
     if proc.returncode != 0:
         raise SystemExit(f"worker failed (rc {proc.returncode}, oom kills "
@@ -115,16 +129,16 @@ def main(argv: list[str]) -> int:
     size = path.stat().st_size
     cap = MemoryCap(f"bmoe-ab-{os.getpid()}", int(size * args.cap_frac))
     group = None
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in variants}
     try:
         group = throttle(args.throttle_mibps, path)
         print(f"disk (before): {direct_read_rate(path, 1 << 20, 512, 4) / MIB:.0f} MiB/s"
               + (f", reads throttled to {args.throttle_mibps:.0f} MiB/s" if group else ""),
               flush=True)
         for r in range(args.rounds):
-            for name, env, values in variants:
+            for name, env, values, worker in variants:
                 t0 = time.monotonic()
-                row = run(cap, str(path), values, env, args)
+                row = run(cap, str(path), values, env, args, worker)
                 rows[name].append(row)
                 print(f"round {r} {name:12s} mean {row['mean']:.4f} median {row['median']:.4f} "
                       f"s/tok  stall {row['stall_ms']:.1f} ms  mgmt {row['mgmt_ms']:.1f} ms  "
@@ -139,7 +153,7 @@ def main(argv: list[str]) -> int:
     print(f"\n{'variant':12s} {'mean':>7s} {'median':>7s} {'stall ms':>8s} {'mgmt ms':>7s} "
           f"{'x base':>6s}   (means over {args.rounds} rounds of each run's mean, median "
           f"of medians; {args.tokens} tokens, the first {args.warmup} not counted)")
-    for name, _, _ in variants:
+    for name, *_ in variants:
         rs = rows[name]
         mean = statistics.mean(r["mean"] for r in rs)
         print(f"{name:12s} {mean:7.4f} {statistics.median(r['median'] for r in rs):7.4f} "
