@@ -288,9 +288,6 @@ class ExpertCache:
     def _evictable(self, protect_from: int) -> np.ndarray:
         return (self.resident & ~self.pinned & (self.stamp < protect_from)).ravel()
 
-    def _evictable_bytes(self, protect_from: int) -> int:
-        return int(self.bytes_of.ravel()[self._evictable(protect_from)].sum())
-
     def _victims(self, over: int, protect_from: int, ok: np.ndarray | None = None
                  ) -> list[tuple[int, int]]:
         """The resident units kept least (not protected) freeing >= `over` bytes (`ok`:
