@@ -156,3 +156,40 @@ def test_reuse_chances_kept_between_calls_equal_a_fresh_scoring() -> None:
             fresh._chance = np.full((n_layer, n_expert), np.nan)
             np.testing.assert_array_equal(kept, fresh.reuse_chance())
     assert c.evictions > 100            # the victims were chosen from these chances
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_c_victim_choice_is_the_numpy_one(policy: str, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """`bmoe.native.cachepick` (one pass with a heap) makes the same choices as the numpy
+    reference (`BMOE_CACHE_PICK=python`): two caches fed the same admits, read-aheads,
+    pins and units of unequal sizes (so a choice frees more than it must) agree on every
+    victim, in order, and on every byte count."""
+    from bmoe.engine.experts.cache import PICK_ENV, native_pick
+    assert native_pick() is not None, "the extension bmoe.native.cachepick is not built"
+    rng = np.random.default_rng(11)
+    n_layer, n_expert = 5, 24
+    sizes = np.array([3, 1, 2, 5, 1])
+    native = ExpertCache(sizes, n_expert=n_expert, budget=90, policy=policy)
+    monkeypatch.setenv(PICK_ENV, "python")
+    ref = ExpertCache(sizes, n_expert=n_expert, budget=90, policy=policy)
+    assert native._pick is not None and ref._pick is None
+    victims = 0
+    for step in range(600):
+        layer = step % n_layer
+        ids = np.unique(rng.integers(0, n_expert, int(rng.integers(1, 7))))
+        a, b = native.admit(layer, ids), ref.admit(layer, ids)
+        assert a.victims == b.victims and a.misses.tolist() == b.misses.tolist()
+        victims += len(a.victims)
+        if rng.random() < 0.6:
+            spec = np.unique(rng.integers(0, n_expert, 3))
+            nxt = (layer + 1) % n_layer
+            a, b = native.admit_spec(nxt, spec), ref.admit_spec(nxt, spec)
+            assert a.victims == b.victims and a.misses.tolist() == b.misses.tolist()
+            pin = spec[:1]
+            native.pinned[nxt, pin] = ref.pinned[nxt, pin] = True
+        if step % 5 == 0:
+            native.pinned[:] = ref.pinned[:] = False
+        assert native.resident_bytes == ref.resident_bytes
+        np.testing.assert_array_equal(native.resident, ref.resident)
+    assert victims > 200 and native.evictions == ref.evictions

@@ -3,8 +3,9 @@
 The cache holds *units* (layer, expert) and counts bytes against a budget. Bookkeeping
 is a few numpy arrays indexed [layer, expert] (resident, last use, use frequency, ever
 loaded, pinned), never a Python object per expert: a lookup is one fancy index, choosing
-victims one `argpartition` over the evictable units' scores (kept between choices: a
-layer's row is scored again only when that layer is admitted or the table is remade).
+victims one pass in C over the units (`bmoe.native.cachepick`; numpy where it is not
+built) with their scores kept between choices (a layer's row is scored again only when
+that layer is admitted or the table is remade).
 
 `admit(layer, ids)` is called when the router of `layer` has chosen `ids` (every expert
 some token of the batch routes to) and before the layer's expert matmuls run. It returns
@@ -53,7 +54,10 @@ holding all of its experts: the whole model).
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 
@@ -67,6 +71,18 @@ _BUCKETS = 8            # log2(decayed use count + 1): 0 .. 7
 _HORIZON = 4            # the chance of use within this many visits of the unit's layer
 _COUNT_DECAY = 1.0 / 256
 _TABLE_MAX = float(1 << 24)   # table weight beyond which old evidence is halved
+PICK_ENV = "BMOE_CACHE_PICK"  # "python": choose victims with numpy (the C pass's reference)
+
+
+def native_pick() -> ModuleType | None:
+    """The C victim choice (`bmoe.native.cachepick`), or None where it is not built or
+    `BMOE_CACHE_PICK=python` asks for the numpy one (the same choices, slower)."""
+    if os.environ.get(PICK_ENV, "").strip().lower() == "python":
+        return None
+    try:
+        return importlib.import_module("bmoe.native.cachepick")
+    except ImportError:
+        return None
 
 
 @dataclass
@@ -117,6 +133,7 @@ class ExpertCache:
         # remade, so only those rows are scored again
         self._chance = np.zeros((n_layer, n_expert), dtype=np.float64)
         self._stale: set[int] = set(range(n_layer))
+        self._pick = native_pick()
         self.tick = 0
         self.demand_tick = 0          # the tick of the last admit(): its units are in use
         self.last_layer = -1
@@ -166,8 +183,13 @@ class ExpertCache:
         need = int(self.unit_bytes[layer]) * len(misses)
         ok = None
         if self.resident_bytes + need > self.budget:
-            ok = self._evictable(self.demand_tick)     # the misses are not among them
-            free = int(self.bytes_of.ravel()[ok].sum())
+            # what may be evicted (the misses are not among it)
+            if self._pick is not None:
+                free = self._pick.evictable_bytes(self.resident, self.pinned, self.stamp,
+                                                  self.demand_tick, self.bytes_of)
+            else:
+                ok = self._evictable(self.demand_tick)
+                free = int(self.bytes_of.ravel()[ok].sum())
             if self.resident_bytes + need - free > self.budget:
                 # not room for all: keep the first ones (the caller orders by confidence)
                 room = self.budget - self.resident_bytes + free
@@ -291,27 +313,46 @@ class ExpertCache:
     def _victims(self, over: int, protect_from: int, ok: np.ndarray | None = None
                  ) -> list[tuple[int, int]]:
         """The resident units kept least (not protected) freeing >= `over` bytes (`ok`:
-        the evictable mask, when the caller has it)."""
-        cand = np.flatnonzero(self._evictable(protect_from) if ok is None else ok)
-        if not len(cand):
-            return []
-        score = self._keep_score()[cand]       # ranked among the candidates only
-        k = min(len(cand), -(-over // self._min_unit))
-        if k == 1:        # one unit frees enough: argmin is cheaper than a partition
-            part = np.array([int(np.argmin(score))])
-        elif k < len(cand):
-            part = np.argpartition(score, k - 1)[:k]
+        the evictable mask, when the caller has it). Ranked by the policy's keep score,
+        ties by last use (the older first), then by unit; at most k = over / the smallest
+        unit are looked at. In C where it is built (one pass over the units with a heap of
+        k), else the same choice in numpy."""
+        k = -(-over // self._min_unit)
+        if self._pick is not None:
+            if self.policy == "reuse":
+                keep, extra = self.reuse_chance(), self.spec_p
+            elif self.policy == "lru":
+                keep, extra = None, None
+            else:
+                keep, extra = self._keep_score(), None
+            chosen, freed = self._pick.victims(keep, extra, self.resident, self.pinned,
+                                               self.stamp, protect_from, self.bytes_of,
+                                               over, k)
         else:
-            part = np.arange(len(cand))
-        order = cand[part[np.argsort(score[part], kind="stable")]]
-        sizes = self.bytes_of.ravel()[order]
-        cut = int(np.searchsorted(np.cumsum(sizes), over)) + 1
-        chosen = order[:cut]
+            chosen, freed = self._victims_numpy(over, protect_from, ok, k)
+        if not chosen:
+            return []
         self.resident.ravel()[chosen] = False
-        self.resident_bytes -= int(sizes[:cut].sum())
+        self.resident_bytes -= freed
         self.evictions += len(chosen)
         n_expert = self.n_expert
-        return [divmod(i, n_expert) for i in chosen.tolist()]
+        return [divmod(i, n_expert) for i in chosen]
+
+    def _victims_numpy(self, over: int, protect_from: int, ok: np.ndarray | None, k: int
+                       ) -> tuple[list[int], int]:
+        cand = np.flatnonzero(self._evictable(protect_from) if ok is None else ok)
+        if not len(cand):
+            return [], 0
+        score = self._keep_score()[cand]       # ranked among the candidates only
+        stamp = self.stamp.ravel()[cand]
+        if k < len(cand):      # the k least kept, and every unit tied with the k-th
+            edge = np.partition(score, k - 1)[k - 1]
+            near = score <= edge
+            cand, score, stamp = cand[near], score[near], stamp[near]
+        order = cand[np.lexsort((cand, stamp, score))][:k]
+        sizes = self.bytes_of.ravel()[order]
+        cut = int(np.searchsorted(np.cumsum(sizes), over)) + 1
+        return order[:cut].tolist(), int(sizes[:cut].sum())
 
     def fill(self) -> None:
         """Everything resident (load-all)."""
