@@ -87,6 +87,19 @@ RUNS: dict[str, dict[str, Any]] = {
 
 # -- the worker: one configuration in one process ------------------------------------------
 
+class PerfControl:
+    """`perf record --control fifo:CTL,ACK`: turn its sampling on and off from the worker."""
+
+    def __init__(self, ctl: str, ack: str) -> None:
+        self.ctl = open(ctl, "w")       # noqa: SIM115 - kept open for the run
+        self.ack = open(ack)            # noqa: SIM115
+
+    def send(self, command: str) -> None:
+        self.ctl.write(command + "\n")
+        self.ctl.flush()
+        self.ack.readline()             # perf answers "ack" once it has done it
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from bmoe.engine.experts import streamer_factory
     from bmoe.engine.session import Session
@@ -102,7 +115,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     cancel = threading.Event()
     walls: list[float] = []
     deltas: dict[str, list[float]] = {k: [] for k in STAT_KEYS}
+    perf = PerfControl(*spec["perf_ctl"]) if spec.get("perf_ctl") else None
     for i in range(1, len(tokens) + 1):
+        if perf is not None and i == spec.get("perf_from", 0) + 1:
+            perf.send("enable")             # cpu_profile.py: sample the timed tokens only
         before = st.stats() if st is not None else {}
         if st is not None:
             st.token_begin()
@@ -114,11 +130,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             after = st.stats()
             for k in STAT_KEYS:
                 deltas[k].append(after[k] - before[k])
+    if perf is not None:
+        perf.send("disable")
     out: dict[str, Any] = {"load_s": load_s, "walls": walls, "reads": deltas["read_bytes"],
                            "hits": deltas["hits"], "misses": deltas["misses"],
                            "io": deltas["io_s"], "mgmt": deltas["mgmt_s"],
                            "stall_s": deltas["stall_s"], "spec_bytes": deltas["spec_bytes"],
-                           "n_tokens": len(tokens)}
+                           "n_tokens": len(tokens), "pid": os.getpid()}
     if st is not None:
         out["summary"] = st.summary()
         out["load_info"] = st.load_info
