@@ -17,7 +17,8 @@ is in the routing callback), the kernel's work by what it serves (direct reads: 
 page pinning and block requests of `preadv`/AIO; page moves: `mremap`, TLB flush
 included; page frees: `madvise`; page faults; interrupts: read completions; thread
 wake-ups: futex and the scheduler; other kernel), Python and numpy (the callback, the
-cache, the lanes' Python), other user code, other processes, and idle. The table gives
+cache, the lanes' Python; libc too), bmoe's own C (the graph callback and its read-ahead
+guesses, the cache's victim choice), other user code, other processes, and idle. The table gives
 each class's CPU milliseconds per token in both runs and the difference: on a machine
 with as many compute threads as cores, every millisecond the streamed run adds to a class
 is taken from the token's compute or makes it wait.
@@ -64,9 +65,11 @@ KERNEL_MARKS: list[tuple[str, tuple[str, ...]]] = [
                                             "finish_task_switch.isra.0", "try_to_wake_up")),
 ]
 CLASSES = ["llama.cpp compute", "OpenMP waiting", *[c for c, _ in KERNEL_MARKS],
-           "other kernel", "Python and numpy", "other user code", "other processes", "idle"]
+           "other kernel", "Python and numpy", "bmoe's C (callback, guesses, victims)",
+           "other user code", "other processes", "idle"]
 PYTHON_DSOS = ("libpython", "python3", "_multiarray", "numpy", "_ctypes", "libffi",
-               "evalcb", "cachepick", "rpcguard", "libc.so", "ld-linux")
+               "libc.so", "ld-linux")
+BMOE_DSOS = ("evalcb", "cachepick", "rpcguard")
 
 
 def classify(comm: str, pid: int, frames: list[tuple[str, str]], worker: int) -> str:
@@ -91,18 +94,26 @@ def classify(comm: str, pid: int, frames: list[tuple[str, str]], worker: int) ->
         return "OpenMP waiting"
     if base.startswith(PYTHON_DSOS):
         return "Python and numpy"
+    if base.startswith(BMOE_DSOS):
+        return "bmoe's C (callback, guesses, victims)"
     return "other user code"
 
 
-def parse(script: str, worker: int) -> Counter[str]:
-    """`perf script -F comm,pid,tid,ip,sym,dso` output -> samples per class."""
+def parse(script: str, worker: int, leaves: Counter[tuple[str, str]] | None = None
+          ) -> Counter[str]:
+    """`perf script -F comm,pid,tid,ip,sym,dso` output -> samples per class (and per class
+    and leaf frame, "library: symbol", into `leaves`)."""
     counts: Counter[str] = Counter()
     head: tuple[str, int] | None = None
     frames: list[tuple[str, str]] = []
     for line in script.splitlines() + [""]:
         if not line.strip():
             if head is not None:
-                counts[classify(head[0], head[1], frames, worker)] += 1
+                c = classify(head[0], head[1], frames, worker)
+                counts[c] += 1
+                if leaves is not None and frames:
+                    sym, dso = frames[0]
+                    leaves[(c, f"{os.path.basename(dso)}: {sym}")] += 1
             head, frames = None, []
         elif not line[0].isspace():
             parts = line.rsplit(None, 1)          # "comm with spaces  pid/tid"
@@ -147,11 +158,13 @@ def profile(name: str, values: dict[str, Any], cap: MemoryCap | None, args: argp
         script = subprocess.run(["perf", "script", "-i", data, "-F", "comm,pid,tid,ip,sym,dso"],
                                 capture_output=True, text=True, check=True).stdout
     n = len(out["walls"]) - args.warmup
-    counts = parse(script, out["pid"])
+    leaves: Counter[tuple[str, str]] = Counter()
+    counts = parse(script, out["pid"], leaves)
     ms = {c: counts[c] / freq * 1e3 / n for c in CLASSES}
     walls = out["walls"][args.warmup:]
     res = {"s_per_token": statistics.mean(walls), "ms": ms, "samples": sum(counts.values()),
-           "tokens": n, "mib": sum(out["reads"][args.warmup:]) / n / MIB}
+           "tokens": n, "mib": sum(out["reads"][args.warmup:]) / n / MIB,
+           "leaves": {k: v / freq * 1e3 / n for k, v in leaves.items()}}
     print(f"{name:9s} {res['s_per_token']:.4f} s/token over {n} tokens, "
           f"{res['mib']:.1f} MiB read per token, {res['samples']} samples", flush=True)
     return res
@@ -166,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cap-frac", type=float, default=0.4)
     ap.add_argument("--freq", type=int, default=4000, help="samples per second per CPU")
+    ap.add_argument("--top", type=int, default=0,
+                    help="also list each class's N leaf functions costing the streamed run most")
     ap.add_argument("--run-timeout", type=float, default=900)
     args = ap.parse_args(argv)
     if shutil.which("perf") is None:
@@ -193,6 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     wa, wb = streamed["s_per_token"] * 1e3, resident["s_per_token"] * 1e3
     print(f"{'wall ms per token':38s} {wa:9.2f} {wb:9.2f} {wa - wb:+8.2f}  "
           f"(streamed / resident {wa / wb:.2f})")
+    if args.top:
+        print("\nthe streamed run's costliest leaf functions per class (CPU ms per token):")
+        for c in CLASSES:
+            top = sorted(((v, k[1]) for k, v in streamed["leaves"].items() if k[0] == c),
+                         reverse=True)[:args.top]
+            if top:
+                print(f"{c}:")
+                for v, name in top:
+                    print(f"  {v:7.2f}  {name}")
     return 0
 
 

@@ -48,6 +48,9 @@ python 500/500
 \t           fb699 _PyEval_EvalFrameDefault (/py/lib/libpython3.11.so.1.0)
 
 python 500/500
+\t            2a10 matvec_bf16.avx512f (/repo/bmoe/native/evalcb.cpython-311-x86_64-linux-gnu.so)
+
+python 500/500
 \tffffffff82250979 clear_page_erms ({K})
 
 kworker/1:1H-kb    56/56
@@ -67,6 +70,7 @@ def test_samples_go_to_the_class_their_leaf_most_named_frame_says() -> None:
         "OpenMP waiting": 1, "llama.cpp compute": 1, "page moves (mremap, TLB flush)": 1,
         "interrupts (read completions)": 1,      # an interrupt taken inside a read
         "direct reads (preadv, AIO)": 1, "Python and numpy": 1, "other kernel": 1,
+        "bmoe's C (callback, guesses, victims)": 1,
         "other processes": 2,                    # a kworker, and another python process
         "idle": 1,
     }
