@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bmoe.engine.experts.cache import DEFAULT_POLICY, POLICIES, ExpertCache
 
@@ -193,3 +195,69 @@ def test_the_c_victim_choice_is_the_numpy_one(policy: str, monkeypatch: pytest.M
         assert native.resident_bytes == ref.resident_bytes
         np.testing.assert_array_equal(native.resident, ref.resident)
     assert victims > 200 and native.evictions == ref.evictions
+
+
+def _pick_reference(keep: np.ndarray | None, extra: np.ndarray | None, resident: np.ndarray,
+                    pinned: np.ndarray, stamp: np.ndarray, protect_from: int,
+                    nbytes: np.ndarray, over: int, k: int) -> tuple[list[int], int]:
+    """The C pass's contract, written plainly: the evictable units ranked by (score, stamp,
+    unit), at most k of them, taken until `over` bytes are free."""
+    units = [i for i in range(len(resident))
+             if resident[i] and not pinned[i] and stamp[i] < protect_from]
+    def score(i: int) -> float:
+        s = float(stamp[i]) if keep is None else float(keep[i])
+        return max(s, float(extra[i])) if extra is not None else s
+    ranked = sorted(units, key=lambda i: (score(i), int(stamp[i]), i))[:max(0, k)]
+    chosen, freed = [], 0
+    for i in ranked:
+        if freed >= over:
+            break
+        chosen.append(i)
+        freed += int(nbytes[i])
+    return chosen, freed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_c_pass_keeps_its_contract(data: st.DataObject) -> None:
+    """`cachepick.victims` and `evictable_bytes` on arbitrary unit arrays (ties, all
+    pinned, nothing to free, k beyond the units) against a plain Python reading of the
+    contract."""
+    from bmoe.engine.experts.cache import native_pick
+    pick = native_pick()
+    assert pick is not None, "the extension bmoe.native.cachepick is not built"
+    n = data.draw(st.integers(0, 40))
+    bools = st.lists(st.booleans(), min_size=n, max_size=n)
+    resident = np.array(data.draw(bools), dtype=bool)
+    pinned = np.array(data.draw(bools), dtype=bool)
+    stamp = np.array(data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)),
+                     dtype=np.int64)
+    nbytes = np.array(data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)),
+                      dtype=np.int64)
+    scores = st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=n, max_size=n)
+    keep = (None if data.draw(st.booleans())
+            else np.array(data.draw(scores), dtype=np.float64))
+    extra = None if data.draw(st.booleans()) else np.array(data.draw(scores), dtype=np.float64)
+    protect_from = data.draw(st.integers(0, 7))
+    over = data.draw(st.integers(-2, 60))
+    k = data.draw(st.integers(0, n + 3))
+    got = pick.victims(keep, extra, resident, pinned, stamp, protect_from, nbytes, over, k)
+    assert got == _pick_reference(keep, extra, resident, pinned, stamp, protect_from, nbytes,
+                                  over, k)
+    ok = resident & ~pinned & (stamp < protect_from)
+    assert pick.evictable_bytes(resident, pinned, stamp, protect_from, nbytes) == \
+        int(nbytes[ok].sum())
+
+
+def test_the_c_pass_refuses_arrays_of_other_sizes() -> None:
+    from bmoe.engine.experts.cache import native_pick
+    pick = native_pick()
+    assert pick is not None
+    r = np.ones(4, dtype=bool)
+    i64 = np.zeros(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="stamp holds 24 bytes, not 32"):
+        pick.victims(None, None, r, r, i64[:3], 1, i64, 1, 1)
+    with pytest.raises(ValueError, match="keep holds"):
+        pick.victims(np.zeros(4, dtype=np.float32), None, r, r, i64, 1, i64, 1, 1)
+    with pytest.raises(ValueError, match="nbytes holds"):
+        pick.evictable_bytes(r, r, i64, 1, i64[:2])
