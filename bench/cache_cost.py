@@ -10,9 +10,10 @@ it counts against every token. This runs the engine's own `ExpertCache` over syn
 routing (a Zipf-skewed choice of experts per layer, the read-ahead's guesses drawn at
 random so that they often miss and evict), after a warm-up that fills the cache, and
 prints the best of 4 timed passes in ms per token for each policy. The baseline, measured
-in the same run, is the default policy (`reuse`) choosing its victims in numpy (`numpy
-pick`: a mask, a partition and a sort over the evictable units, as the cache did before
-its C pass, `bmoe.native.cachepick`); the other rows choose in C.
+in the same run, is the default policy (`reuse`) with its bookkeeping in numpy (`numpy
+pick`: the victims by a mask, a partition and a sort over the evictable units, `reuse`'s
+learning and scoring by a dozen numpy calls per admit, as the cache did before
+`bmoe.native.cachepick`); the other rows run those parts in C.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ PASSES = 4
 
 
 class NumpyPick(ExpertCache):
-    """The cache choosing its victims in numpy (what `BMOE_CACHE_PICK=python` does)."""
+    """The cache's bookkeeping all in numpy (what `BMOE_CACHE_PICK=python` does)."""
 
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]

@@ -163,10 +163,11 @@ def test_reuse_chances_kept_between_calls_equal_a_fresh_scoring() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_c_victim_choice_is_the_numpy_one(policy: str, monkeypatch: pytest.MonkeyPatch
                                               ) -> None:
-    """`bmoe.native.cachepick` (one pass with a heap) makes the same choices as the numpy
-    reference (`BMOE_CACHE_PICK=python`): two caches fed the same admits, read-aheads,
-    pins and units of unequal sizes (so a choice frees more than it must) agree on every
-    victim, in order, and on every byte count."""
+    """`bmoe.native.cachepick` (the victims in one pass with a heap; `reuse`'s learning
+    and scoring) makes the same choices as the numpy reference (`BMOE_CACHE_PICK=python`):
+    two caches fed the same admits, read-aheads, pins and units of unequal sizes (so a
+    choice frees more than it must) agree on every victim, in order, on every byte count,
+    and on what `reuse` learned."""
     from bmoe.engine.experts.cache import PICK_ENV, native_pick
     assert native_pick() is not None, "the extension bmoe.native.cachepick is not built"
     rng = np.random.default_rng(11)
@@ -195,6 +196,11 @@ def test_the_c_victim_choice_is_the_numpy_one(policy: str, monkeypatch: pytest.M
         assert native.resident_bytes == ref.resident_bytes
         np.testing.assert_array_equal(native.resident, ref.resident)
     assert victims > 200 and native.evictions == ref.evictions
+    if policy == "reuse":    # the learning and scoring in C left the numpy state
+        for name in ("visits", "last_visit", "count", "bucket", "hazard"):
+            np.testing.assert_array_equal(getattr(native, name), getattr(ref, name), name)
+        np.testing.assert_allclose(native.level, ref.level, rtol=1e-15)   # libm's log2
+        np.testing.assert_allclose(native.reuse_chance(), ref.reuse_chance(), rtol=1e-14)
 
 
 def _pick_reference(keep: np.ndarray | None, extra: np.ndarray | None, resident: np.ndarray,
@@ -261,3 +267,16 @@ def test_the_c_pass_refuses_arrays_of_other_sizes() -> None:
         pick.victims(np.zeros(4, dtype=np.float32), None, r, r, i64, 1, i64, 1, 1)
     with pytest.raises(ValueError, match="nbytes holds"):
         pick.evictable_bytes(r, r, i64, 1, i64[:2])
+    c = ExpertCache(np.array([1]), n_expert=4, budget=4)
+    with pytest.raises(ValueError, match="expert 9 outside 0..3"):
+        pick.learn(np.array([9]), 0, c.last_visit[0], c.count[0], c.level[0], c.bucket[0],
+                   c.hazard, 6, 8, 1 / 256)
+    with pytest.raises(ValueError, match="hazard holds"):
+        pick.learn(np.array([1]), 0, c.last_visit[0], c.count[0], c.level[0], c.bucket[0],
+                   c.hazard[0], 6, 8, 1 / 256)
+    with pytest.raises(ValueError, match="unexpected sizes"):
+        pick.score(c._chance, c.last_visit, c.level, c.visits, np.zeros((6, 9)), 3, 6, 8)
+    frozen = np.zeros((1, 4))
+    frozen.setflags(write=False)
+    with pytest.raises((TypeError, BufferError)):      # a read-only array is not written
+        pick.score(frozen, c.last_visit, c.level, c.visits, np.zeros((6, 9)), 0, 6, 8)

@@ -1,4 +1,5 @@
-/* The expert cache's victim choice, in C (bmoe/engine/experts/cache.py).
+/* The expert cache's victim choice and its `reuse` policy's arithmetic, in C
+ * (bmoe/engine/experts/cache.py).
  *
  * The cache keeps its bookkeeping in numpy arrays indexed by unit (layer * n_expert +
  * expert). Choosing victims looks at every unit that may be evicted (resident, not pinned
@@ -12,17 +13,23 @@
  *   victims(keep, extra, resident, pinned, stamp, protect_from, nbytes, over, k)
  *       -> (list of unit indices, least kept first; bytes they free)
  *   evictable_bytes(resident, pinned, stamp, protect_from, nbytes) -> int
+ *   learn(...), score(...): `reuse`'s per-admit learning over one layer's row and its
+ *       chances per unit (ExpertCache._learn and _score_rows, the same arithmetic as
+ *       numpy's, which a dozen numpy calls per admit cost 20-50 us in the engine)
  *
  * `keep` and `extra` are float64 per unit (the kept score is the larger of the two;
  * `extra` may be None); `keep` None ranks by `stamp` alone (LRU). Ties rank by `stamp`
  * (the older first), then by unit index, so the choice does not depend on the order a
  * partition happens to leave. `resident` and `pinned` are bool (one byte) per unit,
- * `stamp` and `nbytes` int64 per unit. Nothing is written: the caller updates its arrays.
+ * `stamp` and `nbytes` int64 per unit. `victims` writes nothing: the caller updates its
+ * arrays; `learn` and `score` write the rows they are given. Every size and index is
+ * checked here first (a ValueError, never a write out of bounds).
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -207,12 +214,151 @@ static PyObject *evictable_bytes(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The `reuse` policy's per-admit learning (ExpertCache._learn), for one layer's row of
+ * n units: each unit adds one observation to the hazard table [2][gaps][buckets] at its
+ * cell (gap since its last use, its bucket; the routed half when `ids` has it), then the
+ * routed units' last visit becomes `visits + 1`, every count decays by `decay` and the
+ * routed ones gain 1, and the level log2(count + 1) (at most buckets - 1) and its bucket
+ * (the level rounded) are remade. The arithmetic is numpy's, in the same order. */
+static PyObject *learn(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer ids, last, count, level, bucket, hazard;
+    long long visits;
+    int gaps, buckets;
+    double decay;
+    if (!PyArg_ParseTuple(args, "y*Lw*w*w*w*w*iid:learn", &ids, &visits, &last, &count, &level,
+                          &bucket, &hazard, &gaps, &buckets, &decay))
+        return NULL;
+    PyObject *out = NULL;
+    uint8_t *routed = NULL;
+    Py_ssize_t n = last.len / 8, k = ids.len / 8;
+    if (gaps < 2 || buckets < 1 || last.len != n * 8 || ids.len != k * 8
+        || !sized(&count, n, 8, "count") || !sized(&level, n, 8, "level")
+        || !sized(&bucket, n, 8, "bucket")
+        || !sized(&hazard, 2 * (Py_ssize_t)gaps * buckets, 8, "hazard")) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "learn: arrays of unexpected sizes");
+        goto done;
+    }
+    routed = PyMem_Calloc((size_t)n + 1, 1);
+    if (routed == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *id = ids.buf;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (id[j] < 0 || id[j] >= n) {
+            PyErr_Format(PyExc_ValueError, "learn: expert %lld outside 0..%zd",
+                         (long long)id[j], n - 1);
+            goto done;
+        }
+        routed[id[j]] = 1;
+    }
+    int64_t *lv = last.buf, *bk = bucket.buf;
+    double *ct = count.buf, *lvl = level.buf, *hz = hazard.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (bk[i] < 0 || bk[i] >= buckets) {
+            PyErr_SetString(PyExc_ValueError, "learn: a bucket outside the table");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long gap = visits + 1 - lv[i];
+        if (gap > gaps - 1)
+            gap = gaps - 1;
+        if (gap < 0)
+            gap = 0;
+        hz[(routed[i] ? gaps * buckets : 0) + gap * buckets + bk[i]] += 1.0;
+    }
+    double keep = 1.0 - decay, top = (double)(buckets - 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double c = ct[i] * keep;
+        if (routed[i]) {
+            lv[i] = visits + 1;
+            c += 1.0;
+        }
+        ct[i] = c;
+        double l = log2(c + 1.0);
+        if (l > top)
+            l = top;
+        lvl[i] = l;
+        bk[i] = (int64_t)(l + 0.5);
+    }
+    out = Py_NewRef(Py_None);
+done:
+    PyMem_Free(routed);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&last);
+    PyBuffer_Release(&count);
+    PyBuffer_Release(&level);
+    PyBuffer_Release(&bucket);
+    PyBuffer_Release(&hazard);
+    return out;
+}
+
+/* `reuse` chances (ExpertCache._score_rows) of layer `row`'s units, or of every layer's
+ * with row -1: the chance of use within the horizon from `within` [gaps][buckets + 1] at
+ * the unit's gap, interpolated between the buckets around its level. */
+static PyObject *score(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer chance, last, level, visits, within;
+    int row, gaps, buckets;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*iii:score", &chance, &last, &level, &visits,
+                          &within, &row, &gaps, &buckets))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t layers = visits.len / 8;
+    Py_ssize_t n = layers > 0 ? chance.len / 8 / layers : 0;
+    if (gaps < 2 || buckets < 1 || visits.len != layers * 8 || chance.len != layers * n * 8
+        || !sized(&last, layers * n, 8, "last_visit") || !sized(&level, layers * n, 8, "level")
+        || !sized(&within, (Py_ssize_t)gaps * (buckets + 1), 8, "within")
+        || row < -1 || row >= layers) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "score: arrays of unexpected sizes");
+        goto done;
+    }
+    double *ch = chance.buf;
+    const int64_t *lv = last.buf, *vs = visits.buf;
+    const double *lvl = level.buf, *w = within.buf;
+    Py_ssize_t r0 = row < 0 ? 0 : row, r1 = row < 0 ? layers : row + 1;
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        for (Py_ssize_t i = r * n; i < (r + 1) * n; i++) {
+            long long gap = vs[r] + 1 - lv[i];
+            if (gap > gaps - 1)
+                gap = gaps - 1;
+            if (gap < 0)
+                gap = 0;
+            double l = lvl[i];
+            int64_t lo = (int64_t)l;
+            if (lo < 0)
+                lo = 0;
+            if (lo > buckets - 1)
+                lo = buckets - 1;
+            const double *cell = w + gap * (buckets + 1);
+            double below = cell[lo];
+            ch[i] = below + (cell[lo + 1] - below) * (l - (double)lo);
+        }
+    }
+    out = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&chance);
+    PyBuffer_Release(&last);
+    PyBuffer_Release(&level);
+    PyBuffer_Release(&visits);
+    PyBuffer_Release(&within);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"victims", victims, METH_VARARGS,
      "victims(keep, extra, resident, pinned, stamp, protect_from, nbytes, over, k) -> "
      "(units least kept first, bytes freed)"},
     {"evictable_bytes", evictable_bytes, METH_VARARGS,
      "evictable_bytes(resident, pinned, stamp, protect_from, nbytes) -> int"},
+    {"learn", learn, METH_VARARGS,
+     "learn(ids, visits, last_visit, count, level, bucket, hazard, gaps, buckets, decay)"},
+    {"score", score, METH_VARARGS,
+     "score(chance, last_visit, level, visits, within, row, gaps, buckets)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,9 +3,9 @@
 The cache holds *units* (layer, expert) and counts bytes against a budget. Bookkeeping
 is a few numpy arrays indexed [layer, expert] (resident, last use, use frequency, ever
 loaded, pinned), never a Python object per expert: a lookup is one fancy index, choosing
-victims one pass in C over the units (`bmoe.native.cachepick`; numpy where it is not
-built) with their scores kept between choices (a layer's row is scored again only when
-that layer is admitted or the table is remade).
+victims one pass in C over the units (`bmoe.native.cachepick`, which also does `reuse`'s
+learning and scoring; numpy where it is not built) with their scores kept between choices
+(a layer's row is scored again only when that layer is admitted or the table is remade).
 
 `admit(layer, ids)` is called when the router of `layer` has chosen `ids` (every expert
 some token of the batch routes to) and before the layer's expert matmuls run. It returns
@@ -71,12 +71,13 @@ _BUCKETS = 8            # log2(decayed use count + 1): 0 .. 7
 _HORIZON = 4            # the chance of use within this many visits of the unit's layer
 _COUNT_DECAY = 1.0 / 256
 _TABLE_MAX = float(1 << 24)   # table weight beyond which old evidence is halved
-PICK_ENV = "BMOE_CACHE_PICK"  # "python": choose victims with numpy (the C pass's reference)
+PICK_ENV = "BMOE_CACHE_PICK"  # "python": the bookkeeping in numpy (the C parts' reference)
 
 
 def native_pick() -> ModuleType | None:
-    """The C victim choice (`bmoe.native.cachepick`), or None where it is not built or
-    `BMOE_CACHE_PICK=python` asks for the numpy one (the same choices, slower)."""
+    """The cache's C parts (`bmoe.native.cachepick`: the victim choice, `reuse`'s learning
+    and scoring), or None where it is not built or `BMOE_CACHE_PICK=python` asks for numpy
+    (the same decisions, slower)."""
     if os.environ.get(PICK_ENV, "").strip().lower() == "python":
         return None
     try:
@@ -230,16 +231,18 @@ class ExpertCache:
         return self.hazard[0] + self.hazard[1]
 
     def _learn(self, layer: int, ids: np.ndarray) -> None:
-        """reuse: the layer's units tell the table whether their gap and bucket got routed.
-        A dozen numpy calls over one layer's row (this runs at every admit)."""
+        """reuse: the layer's units tell the table whether their gap and bucket got routed
+        (this runs at every admit: one C call, or a dozen numpy calls over the row)."""
+        if self._pick is not None:
+            self._pick.learn(np.ascontiguousarray(ids, dtype=np.int64), int(self.visits[layer]),
+                             self.last_visit[layer], self.count[layer], self.level[layer],
+                             self.bucket[layer], self.hazard, _GAPS, _BUCKETS, _COUNT_DECAY)
+            self.visits[layer] += 1
+            self._learned_one(layer)
+            return
         cell = self._gap(layer) * _BUCKETS + self.bucket[layer]
         cell[ids] += _GAPS * _BUCKETS                       # the routed half of the table
         self.hazard.ravel()[:] += np.bincount(cell, minlength=2 * _GAPS * _BUCKETS)
-        self._seen_total += self.n_expert
-        if self._seen_total > _TABLE_MAX:           # a long session: old evidence halves
-            self.hazard *= 0.5
-            self._seen_total *= 0.5
-        self._learned += 1
         self.visits[layer] += 1
         self.last_visit[layer, ids] = self.visits[layer]
         count = self.count[layer]
@@ -248,6 +251,14 @@ class ExpertCache:
         level = np.minimum(np.log2(count + 1.0), _BUCKETS - 1)
         self.level[layer] = level
         self.bucket[layer] = (level + 0.5).astype(np.int64)
+        self._learned_one(layer)
+
+    def _learned_one(self, layer: int) -> None:
+        self._seen_total += self.n_expert
+        if self._seen_total > _TABLE_MAX:           # a long session: old evidence halves
+            self.hazard *= 0.5
+            self._seen_total *= 0.5
+        self._learned += 1
         self._stale.add(layer)
 
     def _within_table(self) -> np.ndarray:
@@ -286,6 +297,10 @@ class ExpertCache:
         return self._chance
 
     def _score_rows(self, rows: slice | int, within: np.ndarray) -> None:
+        if self._pick is not None:
+            self._pick.score(self._chance, self.last_visit, self.level, self.visits, within,
+                             -1 if isinstance(rows, slice) else rows, _GAPS, _BUCKETS)
+            return
         gap = self._gap(rows)
         # between two buckets' centres the chance is interpolated, so that units of one
         # cell are still ranked by their counts
