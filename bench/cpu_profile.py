@@ -45,11 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import MIB, MemoryCap, drop_caches  # noqa: E402
+from ab_stream import VALUES as STREAMED  # noqa: E402  (ab_stream.py's overlapped run)
+from ab_stream import WORKER  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "stream_vs_mmap.py"
-STREAMED: dict[str, Any] = {"moe-stream": True, "cache-mb": "auto", "overlap": True,
-                            "prefetch": 2, "spec-gate": 0.0, "io-threads": 4,
-                            "cache-floor-mb": 128}
 RESIDENT: dict[str, Any] = {"moe-stream": True, "load-all": True}
 
 # kernel frames that say what the kernel was doing, first match from the leaf up
