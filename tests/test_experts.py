@@ -77,6 +77,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # -- driving sessions the way the server does ------------------------------------------
 
 
+def python_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read queue on Python threads (`BMOE_LANES=python`): for the tests that replace
+    the reader's Python read functions (the C lanes, bmoe/native/readlanes.c, never call
+    them; tests/test_readlanes.py and test_faults_streaming.py test those)."""
+    monkeypatch.setenv(reader_mod.LANES_ENV, "python")
+
+
 def open_session(path: Path, **values: Any) -> Session:
     return Session(path, {**BASE, **values}, streamer_factory)
 
@@ -558,6 +565,7 @@ def test_refused_o_direct_falls_back_to_buffered_reads(models: dict[str, Path],
 
 def test_a_direct_read_refused_midway_falls_back(models: dict[str, Path],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    python_lanes(monkeypatch)
     s = open_session(models["moe"], **STREAM, **{"cache-mb": 2})
     try:
         st = s.streamer
@@ -611,6 +619,7 @@ def test_o_direct_is_used_where_the_file_system_allows_it(models: dict[str, Path
                          ids=["serial", "read-ahead"])
 def test_a_failed_read_is_an_error_and_the_session_recovers(
         models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]) -> None:
+    python_lanes(monkeypatch)
     s = open_session(models["moe"], **{**STREAM, "cache-mb": 2, "io-threads": 1, **extra})
     try:
         def broken(self: Any, r: Any) -> int:
@@ -1036,6 +1045,7 @@ def test_background_fill_reads_each_expert_once_and_goes_resident(
     here so the fill is still running while the first turns route), a routed expert still
     queued is promoted and waited on, never read twice; then the native callback counts
     routings without Python. Tokens and logits stay the resident engine's."""
+    python_lanes(monkeypatch)
     slow = reader_mod.ExpertReader._one
     reads: list[tuple[int, int]] = []
 
@@ -1070,6 +1080,33 @@ def test_background_fill_reads_each_expert_once_and_goes_resident(
     assert got == resident(models, "moe")
 
 
+def test_background_fill_on_the_c_lanes_reads_each_expert_once(
+        models: dict[str, Path]) -> None:
+    """The same fill on the C lanes (the default where the extension is built): every
+    expert read once, the bytes counted by the lanes equal the experts' bytes, nothing
+    left pinned, and the tokens are the resident engine's."""
+    assert reader_mod.native_lanes() is not None, "bmoe.native.readlanes is not built"
+    s = open_session(models["moe"], **STREAM, **{"cache-mb": 8})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        assert isinstance(st.queue, reader_mod.NativeLaneQueue)
+        got = conversation(s)
+        _settle(st, s)
+        summary = st.summary()
+        assert summary["cache_fill"] == "done"
+        # each of the 96 slices once: a direct read takes its page-aligned superset (at
+        # most two pages more), a buffered one the slice
+        extra = 96 * 2 * mmap.PAGESIZE if st.reader is not None and st.reader.odirect else 0
+        assert st.layout.expert_bytes <= st.stats()["read_bytes"] <= \
+            st.layout.expert_bytes + extra
+        assert st.queue.busy_s > 0 and st.reader is not None and st.reader.moved_bytes == 0
+        assert not st.cache.pinned.any() and st.cache.resident.all()
+    finally:
+        s.close()
+    assert got == resident(models, "moe")
+
+
 def test_no_background_fill_when_turned_off_or_experts_do_not_fit(
         models: dict[str, Path]) -> None:
     def off(st: ExpertStreamer) -> None:
@@ -1090,6 +1127,7 @@ def test_no_background_fill_when_turned_off_or_experts_do_not_fit(
 def test_closing_drops_the_queued_fill(models: dict[str, Path],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A session closed while its fill is queued does not read the rest first."""
+    python_lanes(monkeypatch)
     calls: list[int] = []
     slow = reader_mod.ExpertReader._one
 

@@ -18,7 +18,11 @@ With read-ahead (`prefetch`) the lanes take their work from a `LaneQueue` instea
 priority queue of single reads grouped into `ReadGroup`s the caller can wait on. Reads for
 a layer's real routing go in at priority 0 and jump the queue; a speculative read waits
 behind them, and a group that turns out to be needed is *promoted* (its reads not yet
-started are queued again at priority 0) and waited on, never issued twice.
+started are queued again at priority 0) and waited on, never issued twice. Where the
+extension `bmoe.native.readlanes` is built, the queue's lanes are pthreads in C
+(`NativeLaneQueue`): they move pages and read without the GIL, so they neither wait for
+the engine thread's Python nor make it wait for theirs (`BMOE_LANES=python` keeps the
+Python threads, which are also used with the huge-page supply, a Python object).
 
 A failing file: every read that fails (EIO, a file cut short) is a `ReadError` whose
 message is for a person and names the file. No read is waited on for ever: the caller
@@ -33,13 +37,17 @@ stuck read may still write into to a thread that frees them once the read return
 from __future__ import annotations
 
 import errno
+import functools
 import heapq
+import importlib
 import itertools
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
 
 from .aio import Aio
 from .memory import AnonBuffer, PageSupply, discard_pages, move_pages, page_ceil, page_floor
@@ -50,6 +58,7 @@ FRESH = -1     # a move's source: fresh pages from the reader's PageSupply
 # flight ran at 1,408 MiB/s where 4 at a time ran at 1,197 (one run, disk 1,835-2,307)
 AIO_DEPTH = 32
 READ_TIMEOUT_ENV = "BMOE_READ_TIMEOUT_S"
+LANES_ENV = "BMOE_LANES"       # "python": the queue's lanes on Python threads
 DEFAULT_READ_TIMEOUT_S = 60.0
 
 
@@ -116,15 +125,16 @@ class ExpertReader:
         self.chunk = page_floor(max(0, int(chunk)))    # 0: every read whole
         self.buffered_fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.direct_fd = -1
-        self.use_direct = False
-        self.fallback_reason = ""
-        self.recycle = True
+        self._use_direct = False
+        self._fallback_reason = ""
+        self._recycle_on = True
+        self.queue: LaneQueue | NativeLaneQueue | None = None
         # how several reads run: "aio" (the caller moves every slice's pages, then submits
         # every read at once: aio.py), "pipe" (the caller, each read handed to the
         # lanes as soon as its pages are in place), "lanes" (the lane, before its read),
         # "first" (the caller, all before any read is dispatched)
         self.mode = "aio"
-        self.moved_bytes = 0
+        self._moved_bytes = 0
         self._counters = threading.Lock()   # the lanes update recycle / moved_bytes
         if direct:
             self._open_direct()
@@ -136,7 +146,6 @@ class ExpertReader:
         # several lanes and direct reads: one thread submits them all (aio.py says why)
         self.aio = (Aio.open(max(self.lanes, AIO_DEPTH)) if self.lanes > 1 and self.use_direct
                     else None)
-        self.queue: LaneQueue | None = None
         self.supply: PageSupply | None = None
         self.timeout_s = read_timeout()
         if self.aio is not None:
@@ -144,15 +153,66 @@ class ExpertReader:
         self.broken: ReadError | None = None     # a read timed out: nothing reads any more
         self._solo: ThreadPoolExecutor | None = None   # one lane: the read's own thread
 
-    def start_queue(self) -> LaneQueue:
-        """Switch to queued lanes (read-ahead): `lanes` threads on one priority queue."""
+    def start_queue(self) -> LaneQueue | NativeLaneQueue:
+        """Switch to queued lanes (read-ahead): `lanes` threads on one priority queue, in C
+        where it is built (not with the huge-page supply, whose moves are Python's)."""
         if self.queue is None:
-            self.queue = LaneQueue(self, self.lanes)
+            native = native_lanes() if self.supply is None else None
+            self.queue = (NativeLaneQueue(self, self.lanes, native) if native is not None
+                          else LaneQueue(self, self.lanes))
         return self.queue
 
     @property
     def odirect(self) -> bool:
         return self.use_direct
+
+    @property
+    def use_direct(self) -> bool:
+        self._sync_native()
+        return self._use_direct
+
+    @use_direct.setter
+    def use_direct(self, on: bool) -> None:
+        self._use_direct = on
+
+    @property
+    def fallback_reason(self) -> str:
+        self._sync_native()
+        return self._fallback_reason
+
+    @fallback_reason.setter
+    def fallback_reason(self, reason: str) -> None:
+        self._fallback_reason = reason
+
+    @property
+    def recycle(self) -> bool:
+        """Page moves on (off for good once one failed; then victims' pages are freed)."""
+        q = self.queue
+        if isinstance(q, NativeLaneQueue) and not q.lanes.recycle:
+            self._recycle_on = False
+        return self._recycle_on
+
+    @recycle.setter
+    def recycle(self, on: bool) -> None:
+        self._recycle_on = bool(on)
+        if isinstance(self.queue, NativeLaneQueue):
+            self.queue.lanes.recycle = self._recycle_on
+
+    @property
+    def moved_bytes(self) -> int:
+        q = self.queue
+        return self._moved_bytes + (q.lanes.moved_bytes if isinstance(q, NativeLaneQueue) else 0)
+
+    @moved_bytes.setter
+    def moved_bytes(self, n: int) -> None:
+        self._moved_bytes = n
+
+    def _sync_native(self) -> None:
+        """A direct read the C lanes saw refused turns direct reads off here too."""
+        q = self.queue
+        if isinstance(q, NativeLaneQueue) and self._use_direct and not q.lanes.use_direct:
+            self._disable_direct("a direct read was refused "
+                                 f"({os.strerror(q.lanes.refused_errno or errno.EINVAL)})")
 
     def _open_direct(self) -> None:
         flag = getattr(os, "O_DIRECT", 0)
@@ -167,9 +227,9 @@ class ExpertReader:
 
     def _disable_direct(self, reason: str) -> None:
         # The descriptor stays open until close(): another lane may be reading with it.
-        if self.use_direct:
-            self.use_direct = False
-            self.fallback_reason = reason
+        if self._use_direct:
+            self._use_direct = False
+            self._fallback_reason = reason
 
     def read_all(self, reads: list[Read]) -> tuple[int, float]:
         """Perform `reads` (spread over the lanes); returns (bytes read, seconds waited)."""
@@ -334,11 +394,11 @@ class ExpertReader:
                 try:
                     move_pages(src, dst, n)
                     with self._counters:
-                        self.moved_bytes += n
+                        self._moved_bytes += n
                     continue
                 except OSError:
                     with self._counters:
-                        self.recycle = False  # freeing and faulting in still works
+                        self._recycle_on = False  # freeing and faulting in still works
             discard_pages(src, n)
 
     def close(self, buffers: list[AnonBuffer] | tuple[AnonBuffer, ...] = ()) -> None:
@@ -355,6 +415,10 @@ class ExpertReader:
     def _close_now(self, buffers: tuple[AnonBuffer, ...]) -> None:
         if self.queue is not None:
             self.queue.close()
+            if isinstance(self.queue, NativeLaneQueue):      # keep what the lanes saw
+                self._sync_native()
+                self._moved_bytes += self.queue.lanes.moved_bytes
+                self._recycle_on = self._recycle_on and bool(self.queue.lanes.recycle)
             self.queue = None
         for pool in (self._pool, self._solo):
             if pool is not None:
@@ -405,6 +469,21 @@ def _spread(reads: list[Read], lanes: int) -> list[list[Read]]:
     return batches
 
 
+class QueuedGroup(Protocol):
+    """A group of queued reads as callers see it (`ReadGroup`, or the C lanes' `Group`)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def prio(self) -> int: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def finished(self) -> bool: ...
+
+
 class ReadGroup:
     """Reads a caller waits on together (one layer's misses, or one expert read ahead)."""
 
@@ -417,6 +496,10 @@ class ReadGroup:
         self.error: BaseException | None = None
         self.items: list[_Item] = []
         self.prio = prio
+
+    def finished(self) -> bool:
+        """Every read of the group ran (or failed)."""
+        return self.done.is_set()
 
 
 class _Item:
@@ -473,7 +556,12 @@ class LaneQueue:
         if self._idle:
             self._cv.notify(min(n, self._idle))
 
-    def promote(self, g: ReadGroup) -> None:
+    def wait(self, groups: list[Any], timeout: float) -> bool:
+        """True when every group finished within `timeout` seconds (from now)."""
+        deadline = time.monotonic() + timeout
+        return all(g.done.wait(max(0.0, deadline - time.monotonic())) for g in groups)
+
+    def promote(self, g: Any) -> None:
         """Queue the group's reads not yet started again, at priority 0."""
         if g.prio == 0 or g.done.is_set():
             return
@@ -535,3 +623,76 @@ class LaneQueue:
             self._cv.notify_all()
         for t in self._threads:
             t.join()
+
+
+def native_lanes() -> ModuleType | None:
+    """`bmoe.native.readlanes`, or None where it is not built or `BMOE_LANES=python`."""
+    if os.environ.get(LANES_ENV, "").strip().lower() == "python":
+        return None
+    try:
+        return importlib.import_module("bmoe.native.readlanes")
+    except ImportError:
+        return None
+
+
+def _lane_error(native: ModuleType, path: str, size: int, kind: int, err: int,
+                at: int) -> BaseException:
+    """The exception for what a C lane recorded: the reader's own, as a Python lane's."""
+    if kind == native.KIND_READ:
+        return failed_read(path, OSError(err, os.strerror(err)), at)
+    if kind == native.KIND_SHORT:
+        return short_read(path, at, size)
+    if kind == native.KIND_FREE:
+        return OSError(err, f"madvise(MADV_DONTNEED): {os.strerror(err)}")
+    return OSError("the reader closed before this read ran")
+
+
+class NativeLaneQueue:
+    """`LaneQueue` with its lanes in C (`bmoe/native/readlanes.c`): the same priority queue,
+    groups, promotion, wake-ups and close, on pthreads that never take the GIL. A group
+    is the extension's `Group` (`finished()`, `nbytes`, `prio`, `error`); its failures are
+    the reader's own exceptions, made here from what the lane recorded."""
+
+    def __init__(self, reader: ExpertReader, lanes: int, native: ModuleType) -> None:
+        self._reader = reader
+        # the error maker holds no reference to this queue (the C object is not collected
+        # in a cycle)
+        self.lanes: Any = native.Lanes(reader.direct_fd if reader._use_direct else -1,
+                                       reader.buffered_fd, reader.file_size, lanes,
+                                       reader._recycle_on,
+                                       functools.partial(_lane_error, native, reader.path,
+                                                         reader.file_size))
+
+    @property
+    def busy_s(self) -> float:
+        """Summed lane time spent reading (can exceed wall time)."""
+        return float(self.lanes.busy_s)
+
+    def submit(self, reads: list[Read], prio: int, wake: bool = True) -> Any:
+        """Queue `reads` as one group at `prio` (see LaneQueue.submit)."""
+        spec: list[int] = []
+        for r in self._reader.split(reads):
+            buf = r.buffer
+            spec += (r.offset, r.length, buf.base + buf.phase + r.at, buf.base,
+                     buf.base + buf.size, len(r.moves))
+            for m in r.moves:
+                if m[0] == FRESH:
+                    raise ValueError("the C lanes take no fresh pages (no huge-page supply)")
+                spec += m
+        return self.lanes.submit(spec, prio, wake)
+
+    def wake(self) -> None:
+        """Wake one idle lane for what was queued without waking one."""
+        self.lanes.wake()
+
+    def promote(self, g: Any) -> None:
+        """Queue the group's reads not yet started again, at priority 0."""
+        self.lanes.promote(g)
+
+    def wait(self, groups: list[Any], timeout: float) -> bool:
+        """True when every group finished within `timeout` seconds (from now)."""
+        return bool(self.lanes.wait(groups, timeout))
+
+    def close(self) -> None:
+        """Stop the lanes after the reads in progress; queued reads fail their groups."""
+        self.lanes.close()

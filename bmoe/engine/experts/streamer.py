@@ -103,7 +103,7 @@ from .memory import (
     pin_anonymous,
     resident_fraction,
 )
-from .reader import FRESH, ExpertReader, LaneQueue, Read, ReadError, ReadGroup
+from .reader import FRESH, ExpertReader, LaneQueue, NativeLaneQueue, QueuedGroup, Read, ReadError
 
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
@@ -167,9 +167,9 @@ class ExpertStreamer:
         self._fill_units = 0                             # units the fill queued in all
         self._fill_bytes = 0                             # bytes it has read so far
         self.predictor: Predictor | None = None
-        self.queue: LaneQueue | None = None
-        self._inflight: dict[tuple[int, int], ReadGroup] = {}     # units read ahead
-        self._pending_out: dict[tuple[int, int], ReadGroup] = {}  # pages a read will take
+        self.queue: LaneQueue | NativeLaneQueue | None = None
+        self._inflight: dict[tuple[int, int], QueuedGroup] = {}     # units read ahead
+        self._pending_out: dict[tuple[int, int], QueuedGroup] = {}  # pages a read will take
         self._spec: np.ndarray = np.zeros((0, 0), dtype=bool)     # read ahead, not yet used
         self._guess: dict[int, np.ndarray] = {}                   # this token's guesses
         self._busy_at = 0.0
@@ -664,7 +664,7 @@ class ExpertStreamer:
         t0 = time.perf_counter()
         self._sweep()
         waits = [g for e in ids.tolist()
-                 if (g := self._pending_out.get((layer, e))) is not None and not g.done.is_set()]
+                 if (g := self._pending_out.get((layer, e))) is not None and not g.finished()]
         for g in waits:              # a miss whose old pages a queued read still takes
             self.queue.promote(g)
         self._wait(waits)
@@ -697,13 +697,11 @@ class ExpertStreamer:
             cc.stall_s += stall
         return adm
 
-    def _wait(self, groups: list[ReadGroup]) -> BaseException | None:
+    def _wait(self, groups: list[QueuedGroup]) -> BaseException | None:
         """Wait for `groups`; a group not done within the reader's timeout breaks it."""
-        assert self.reader is not None
-        deadline = time.monotonic() + self.reader.timeout_s
-        for g in groups:
-            if not g.done.wait(max(0.0, deadline - time.monotonic())):
-                return self.reader.give_up()
+        assert self.reader is not None and self.queue is not None
+        if not self.queue.wait(groups, self.reader.timeout_s):
+            return self.reader.give_up()
         return next((g.error for g in groups if g.error is not None), None)
 
     def _score_guess(self, layer: int, ids: np.ndarray, c: _Counters) -> None:
@@ -772,7 +770,7 @@ class ExpertStreamer:
             cc.mgmt_s += time.perf_counter() - t0
 
     def _queue_guess(self, j: int, guess: np.ndarray, prio: int,
-                     c: _Counters) -> list[ReadGroup]:
+                     c: _Counters) -> list[QueuedGroup]:
         """Admit layer `j`'s guessed experts the cache lacks (as far as room can be made)
         and queue one read group per expert at `prio`, pinned until read."""
         assert self.queue is not None and isinstance(self.cache, ExpertCache)
@@ -801,7 +799,7 @@ class ExpertStreamer:
             self.queue.wake()        # one wake-up; the lanes wake each other for the rest
         return groups
 
-    def _note_pending(self, reads: list[Read], g: ReadGroup) -> None:
+    def _note_pending(self, reads: list[Read], g: QueuedGroup) -> None:
         """The units whose pages `reads` take over (from the last `_victim_pages`) wait
         for `g` before anything is read into them again."""
         for r in reads:
@@ -816,7 +814,7 @@ class ExpertStreamer:
     def _sweep(self) -> None:
         """Unpin the guesses whose reads are done; a failed one is simply not resident."""
         assert isinstance(self.cache, ExpertCache)
-        done = [u for u, g in self._inflight.items() if g.done.is_set()]
+        done = [u for u, g in self._inflight.items() if g.finished()]
         c = self._token if not self._in_prefill else self._turn
         for u in done:
             g = self._inflight.pop(u)
@@ -835,7 +833,7 @@ class ExpertStreamer:
                 cc.spec_bytes += g.nbytes
                 cc.read_bytes += g.nbytes
                 cc.spec_units += 1
-        for u in [u for u, g in self._pending_out.items() if g.done.is_set()]:
+        for u in [u for u, g in self._pending_out.items() if g.finished()]:
             del self._pending_out[u]
 
     def _victim_pages(self, victims: list[tuple[int, int]]
@@ -1014,7 +1012,7 @@ class ExpertStreamer:
         """off (no background fill), filling, or done."""
         if not self._fill_units:
             return "off"
-        busy = any(not g.done.is_set() for u in list(self._filling)
+        busy = any(not g.finished() for u in list(self._filling)
                    if (g := self._inflight.get(u)) is not None)
         return "filling" if busy else "done"
 

@@ -1,0 +1,917 @@
+/* The expert reader's lanes in C: threads that serve one priority queue of reads.
+
+   `bmoe.engine.experts.reader.LaneQueue` is the same queue on Python threads. Each
+   Python lane needs the GIL to take a read, move its pages and start the `preadv`, so a
+   lane competes with the engine thread (which runs the routing callback while llama.cpp's
+   other compute thread waits for it) and the engine thread waits for the lanes. These
+   lanes are plain pthreads that never touch Python: the engine thread hands them a
+   group of reads (`submit`), and waits for groups with the GIL released (`wait`).
+
+   A read is (file offset, length, address where that file byte lands, the bounds of the
+   buffer it lands in, page moves). Its page moves run first, in the lane: each hands a
+   victim's committed pages to the slice (`mremap` with MREMAP_DONTUNMAP), or frees them
+   (`madvise(MADV_DONTNEED)`) once a move has failed. Then the read: with O_DIRECT, the
+   page-aligned superset of the slice (the buffer's page phase equals the slice's in the
+   file, so it is aligned in memory too and ends inside the buffer), falling back to the
+   buffered descriptor for good when the kernel refuses a direct read (EINVAL); else the
+   slice itself through the page cache.
+
+   Every address range a read writes is checked against its buffer's bounds at `submit`,
+   in the caller's thread, so a bad read is a ValueError and never a write elsewhere.
+   Errors are kept in the group as (kind, errno, offset) and turned into the reader's own
+   exceptions by the `on_error` callable the queue was made with (reader.py). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+
+#define KIND_READ 1      /* a read failed: errno, the slice's file offset */
+#define KIND_SHORT 2     /* the file ended early: the offset where it did */
+#define KIND_CLOSED 3    /* the queue closed before the read ran */
+#define KIND_FREE 4      /* madvise(MADV_DONTNEED) failed: errno */
+
+typedef struct {
+    int64_t src, dst, n;
+} Move;
+
+struct GroupC;
+
+typedef struct {
+    struct GroupC *g;
+    int64_t off, len;     /* the slice in the file */
+    int64_t addr;         /* where file byte `off` lands */
+    int64_t lo, hi;       /* the buffer it lands in */
+    Move *moves;
+    int nmoves;
+    int taken;
+} Item;
+
+typedef struct GroupC {
+    int refs;             /* the Python object + heap entries + reads running */
+    int left;             /* reads not finished */
+    int prio;
+    int waited;           /* callers waiting on it: a finish wakes them */
+    int64_t nbytes;
+    int kind, err;
+    int64_t at;
+    int n_items;
+    Item *items;
+    Move *moves;
+} GroupC;
+
+typedef struct {
+    int prio;
+    uint64_t seq;
+    Item *it;
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work;  /* lanes wait for reads */
+    pthread_cond_t done;  /* callers wait for groups */
+    int sync_ok;
+    Entry *heap;
+    size_t n_heap, cap_heap;
+    uint64_t seq;
+    int closed, idle, joined;
+    int n_lanes, started;
+    pthread_t *threads;
+    int direct_fd, buffered_fd;
+    int64_t file_size, page;
+    int use_direct;       /* atomics: a lane may clear them */
+    int refused_errno;
+    int recycle;
+    int64_t moved_bytes;
+    double busy_s;        /* summed lane time spent on reads (under mu) */
+    PyObject *on_error;
+} Lanes;
+
+typedef struct {
+    PyObject_HEAD
+    Lanes *q;
+    GroupC *g;
+    PyObject *error;
+} Group;
+
+static PyTypeObject LanesType;
+static PyTypeObject GroupType;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- the heap (under mu) ---- */
+
+static int entry_less(const Entry *a, const Entry *b) {
+    return a->prio < b->prio || (a->prio == b->prio && a->seq < b->seq);
+}
+
+static int heap_push(Lanes *q, int prio, Item *it) {
+    if (q->n_heap == q->cap_heap) {
+        size_t cap = q->cap_heap ? 2 * q->cap_heap : 64;
+        Entry *h = realloc(q->heap, cap * sizeof(Entry));
+        if (!h)
+            return -1;
+        q->heap = h;
+        q->cap_heap = cap;
+    }
+    size_t i = q->n_heap++;
+    Entry e = {prio, q->seq++, it};
+    while (i > 0) {
+        size_t p = (i - 1) / 2;
+        if (!entry_less(&e, &q->heap[p]))
+            break;
+        q->heap[i] = q->heap[p];
+        i = p;
+    }
+    q->heap[i] = e;
+    it->g->refs++;
+    return 0;
+}
+
+static Entry heap_pop(Lanes *q) {
+    Entry top = q->heap[0];
+    Entry last = q->heap[--q->n_heap];
+    size_t i = 0, n = q->n_heap;
+    while (n) {
+        size_t c = 2 * i + 1;
+        if (c >= n)
+            break;
+        if (c + 1 < n && entry_less(&q->heap[c + 1], &q->heap[c]))
+            c++;
+        if (!entry_less(&q->heap[c], &last))
+            break;
+        q->heap[i] = q->heap[c];
+        i = c;
+    }
+    if (n)
+        q->heap[i] = last;
+    return top;
+}
+
+static void group_unref(GroupC *g) {   /* under mu, or with no lane left */
+    if (--g->refs == 0) {
+        free(g->items);
+        free(g->moves);
+        free(g);
+    }
+}
+
+static void wake_lanes(Lanes *q, int n) {   /* under mu */
+    if (n > q->idle)
+        n = q->idle;
+    for (int i = 0; i < n; i++)
+        pthread_cond_signal(&q->work);
+}
+
+/* ---- a lane ---- */
+
+static void fail(GroupC *g, int kind, int err, int64_t at, int *kind_out, int *err_out,
+                 int64_t *at_out) {
+    (void)g;
+    *kind_out = kind;
+    *err_out = err;
+    *at_out = at;
+}
+
+/* The item's page moves and read, without the lock. Returns the bytes read; on failure
+   sets kind (and err, at). */
+static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
+    for (int i = 0; i < it->nmoves; i++) {
+        Move m = it->moves[i];
+        if (__atomic_load_n(&q->recycle, __ATOMIC_RELAXED)) {
+            void *p = mremap((void *)(intptr_t)m.src, (size_t)m.n, (size_t)m.n,
+                             MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                             (void *)(intptr_t)m.dst);
+            if (p == (void *)(intptr_t)m.dst) {
+                __atomic_fetch_add(&q->moved_bytes, m.n, __ATOMIC_RELAXED);
+                continue;
+            }
+            __atomic_store_n(&q->recycle, 0, __ATOMIC_RELAXED);  /* freeing still works */
+        }
+        if (madvise((void *)(intptr_t)m.src, (size_t)m.n, MADV_DONTNEED) != 0) {
+            fail(it->g, KIND_FREE, errno, m.src, kind, err, at);
+            return 0;
+        }
+    }
+    if (__atomic_load_n(&q->use_direct, __ATOMIC_RELAXED)) {
+        int64_t page = q->page;
+        int64_t lo = it->off / page * page;
+        int64_t end = it->off + it->len;
+        int64_t hi = (end + page - 1) / page * page;
+        if (hi > q->file_size)
+            hi = q->file_size;
+        int64_t length = (hi - lo + page - 1) / page * page;
+        char *start = (char *)(intptr_t)(it->addr - (it->off - lo));
+        int64_t got = 0;
+        int refused = 0;
+        while (lo + got < hi) {
+            ssize_t n = pread(q->direct_fd, start + got, (size_t)(length - got), lo + got);
+            if (n < 0) {
+                if (errno == EINTR)
+                    continue;
+                if (errno == EINVAL) {
+                    int expected = 0;
+                    __atomic_compare_exchange_n(&q->refused_errno, &expected, EINVAL, 0,
+                                                __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+                    __atomic_store_n(&q->use_direct, 0, __ATOMIC_RELAXED);
+                    refused = 1;
+                    break;
+                }
+                fail(it->g, KIND_READ, errno, it->off, kind, err, at);
+                return 0;
+            }
+            if (n == 0)
+                break;
+            got += n;
+        }
+        if (!refused) {
+            if (lo + got < end) {
+                fail(it->g, KIND_SHORT, 0, lo + got, kind, err, at);
+                return 0;
+            }
+            return got;
+        }
+    }
+    char *dst = (char *)(intptr_t)it->addr;
+    int64_t got = 0;
+    while (got < it->len) {
+        ssize_t n = pread(q->buffered_fd, dst + got, (size_t)(it->len - got), it->off + got);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            fail(it->g, KIND_READ, errno, it->off, kind, err, at);
+            return 0;
+        }
+        if (n == 0) {
+            fail(it->g, KIND_SHORT, 0, it->off + got, kind, err, at);
+            return 0;
+        }
+        got += n;
+    }
+    return got;
+}
+
+static void *lane_main(void *arg) {
+    Lanes *q = arg;
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        while (!q->n_heap && !q->closed) {
+            q->idle++;
+            pthread_cond_wait(&q->work, &q->mu);
+            q->idle--;
+        }
+        if (!q->n_heap)
+            break;                      /* closed */
+        Entry e = heap_pop(q);
+        if (q->n_heap)
+            wake_lanes(q, 1);           /* more queued: the next idle lane takes one */
+        Item *it = e.it;
+        GroupC *g = it->g;
+        if (it->taken) {                /* promoted, and the other entry ran it */
+            group_unref(g);
+            continue;
+        }
+        it->taken = 1;
+        pthread_mutex_unlock(&q->mu);
+        int kind = 0, err = 0;
+        int64_t at = 0;
+        double t0 = now_s();
+        int64_t n = run_item(q, it, &kind, &err, &at);
+        double t1 = now_s();
+        pthread_mutex_lock(&q->mu);
+        q->busy_s += t1 - t0;
+        g->nbytes += n;
+        if (kind && !g->kind) {
+            g->kind = kind;
+            g->err = err;
+            g->at = at;
+        }
+        if (--g->left == 0 && g->waited)
+            pthread_cond_broadcast(&q->done);
+        group_unref(g);
+    }
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+/* ---- Lanes ---- */
+
+static void lanes_stop(Lanes *q) {      /* with the GIL released */
+    pthread_mutex_lock(&q->mu);
+    q->closed = 1;
+    int waited = 0;
+    while (q->n_heap) {
+        Entry e = q->heap[--q->n_heap];
+        Item *it = e.it;
+        GroupC *g = it->g;
+        if (!it->taken) {
+            it->taken = 1;
+            if (!g->kind)
+                g->kind = KIND_CLOSED;
+            if (--g->left == 0 && g->waited)
+                waited = 1;
+        }
+        group_unref(g);
+    }
+    if (waited)
+        pthread_cond_broadcast(&q->done);
+    pthread_cond_broadcast(&q->work);
+    int join = !q->joined;
+    q->joined = 1;
+    pthread_mutex_unlock(&q->mu);
+    if (join)
+        for (int i = 0; i < q->started; i++)
+            pthread_join(q->threads[i], NULL);
+}
+
+static int Lanes_init(Lanes *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"direct_fd", "buffered_fd", "file_size", "lanes", "recycle",
+                            "on_error", NULL};
+    int direct_fd, buffered_fd, n_lanes, recycle;
+    long long file_size;
+    PyObject *on_error;
+    if (self->threads || self->sync_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "Lanes is already set up");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiLipO", names, &direct_fd, &buffered_fd,
+                                     &file_size, &n_lanes, &recycle, &on_error))
+        return -1;
+    if (n_lanes < 1 || n_lanes > 64) {
+        PyErr_SetString(PyExc_ValueError, "lanes must be 1 to 64");
+        return -1;
+    }
+    if (buffered_fd < 0 || file_size < 0) {
+        PyErr_SetString(PyExc_ValueError, "a buffered descriptor and the file size are needed");
+        return -1;
+    }
+    if (!PyCallable_Check(on_error)) {
+        PyErr_SetString(PyExc_TypeError, "on_error must be callable");
+        return -1;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    self->page = page > 0 ? page : 4096;
+    self->direct_fd = direct_fd;
+    self->buffered_fd = buffered_fd;
+    self->file_size = file_size;
+    self->use_direct = direct_fd >= 0;
+    self->recycle = recycle;
+    Py_INCREF(on_error);
+    self->on_error = on_error;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    if (pthread_mutex_init(&self->mu, NULL) || pthread_cond_init(&self->work, NULL)
+        || pthread_cond_init(&self->done, &ca)) {
+        pthread_condattr_destroy(&ca);
+        PyErr_SetString(PyExc_OSError, "could not make the lanes' lock");
+        return -1;
+    }
+    pthread_condattr_destroy(&ca);
+    self->sync_ok = 1;
+    self->threads = calloc((size_t)n_lanes, sizeof(pthread_t));
+    if (!self->threads) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->n_lanes = n_lanes;
+    for (int i = 0; i < n_lanes; i++) {
+        int rc = pthread_create(&self->threads[i], NULL, lane_main, self);
+        if (rc) {
+            Py_BEGIN_ALLOW_THREADS
+            lanes_stop(self);
+            Py_END_ALLOW_THREADS
+            errno = rc;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        self->started++;
+    }
+    return 0;
+}
+
+static void Lanes_dealloc(Lanes *self) {
+    if (self->sync_ok) {
+        Py_BEGIN_ALLOW_THREADS
+        lanes_stop(self);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_destroy(&self->mu);
+        pthread_cond_destroy(&self->work);
+        pthread_cond_destroy(&self->done);
+    }
+    free(self->heap);
+    free(self->threads);
+    Py_CLEAR(self->on_error);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int64_t item_int(PyObject *seq, Py_ssize_t i, int *bad) {
+    long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred())
+        *bad = 1;
+    return (int64_t)v;
+}
+
+static int sort_desc(const void *a, const void *b) {
+    const Item *x = *(Item *const *)a, *y = *(Item *const *)b;
+    return (x->len < y->len) - (x->len > y->len);
+}
+
+/* submit(spec, prio, wake=True) -> Group. `spec` is a flat sequence of ints, per read:
+   offset, length, address, buffer start, buffer end, number of moves, then (src, dst,
+   length) per move. */
+static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"spec", "prio", "wake", NULL};
+    PyObject *spec_in;
+    int prio, wake = 1;
+    if (!self->sync_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "Lanes is not set up");
+        return NULL;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oi|p", names, &spec_in, &prio, &wake))
+        return NULL;
+    if (prio < 0) {
+        PyErr_SetString(PyExc_ValueError, "prio must be 0 or more");
+        return NULL;
+    }
+    PyObject *spec = PySequence_Fast(spec_in, "spec must be a sequence of ints");
+    if (!spec)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(spec);
+    /* count reads and moves first */
+    Py_ssize_t i = 0, n_items = 0, n_moves = 0;
+    int bad = 0;
+    while (i < n) {
+        if (i + 6 > n) {
+            bad = 2;
+            break;
+        }
+        int64_t nm = item_int(spec, i + 5, &bad);
+        if (bad || nm < 0 || nm > (n - i - 6) / 3) {
+            bad = bad ? bad : 2;
+            break;
+        }
+        n_items++;
+        n_moves += nm;
+        i += 6 + 3 * nm;
+    }
+    if (bad) {
+        if (bad == 2 || PyErr_ExceptionMatches(PyExc_TypeError)
+            || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "spec is not a list of reads");
+        }
+        Py_DECREF(spec);
+        return NULL;
+    }
+    GroupC *g = calloc(1, sizeof(GroupC));
+    Item *items = n_items ? calloc((size_t)n_items, sizeof(Item)) : NULL;
+    Move *moves = n_moves ? calloc((size_t)n_moves, sizeof(Move)) : NULL;
+    Item **order = n_items ? malloc((size_t)n_items * sizeof(Item *)) : NULL;
+    if (!g || (n_items && (!items || !order)) || (n_moves && !moves)) {
+        free(g);
+        free(items);
+        free(moves);
+        free(order);
+        Py_DECREF(spec);
+        return PyErr_NoMemory();
+    }
+    g->items = items;
+    g->moves = moves;
+    g->n_items = (int)n_items;
+    g->prio = prio;
+    const char *why = NULL;
+    Py_ssize_t m = 0;
+    i = 0;
+    for (Py_ssize_t k = 0; k < n_items && !bad && !why; k++) {
+        Item *it = &items[k];
+        it->g = g;
+        it->off = item_int(spec, i, &bad);
+        it->len = item_int(spec, i + 1, &bad);
+        it->addr = item_int(spec, i + 2, &bad);
+        it->lo = item_int(spec, i + 3, &bad);
+        it->hi = item_int(spec, i + 4, &bad);
+        it->nmoves = (int)item_int(spec, i + 5, &bad);
+        it->moves = moves + m;
+        for (int j = 0; j < it->nmoves && !bad; j++) {
+            Move *mv = &moves[m++];
+            mv->src = item_int(spec, i + 6 + 3 * j, &bad);
+            mv->dst = item_int(spec, i + 7 + 3 * j, &bad);
+            mv->n = item_int(spec, i + 8 + 3 * j, &bad);
+            if (!bad && (mv->src <= 0 || mv->dst <= 0 || mv->n <= 0 || mv->src % self->page
+                         || mv->dst % self->page || mv->n % self->page
+                         || mv->dst < it->lo || mv->dst + mv->n > it->hi))
+                why = "a page move is not page-aligned inside its buffer";
+        }
+        i += 6 + 3 * (Py_ssize_t)it->nmoves;
+        if (bad || why)
+            break;
+        int64_t page = self->page;
+        if (it->off < 0 || it->len <= 0 || it->off + it->len > self->file_size
+            || it->lo <= 0 || it->hi <= it->lo || it->addr < it->lo
+            || it->addr + it->len > it->hi) {
+            why = "a read does not fit its buffer or the file";
+            break;
+        }
+        if (self->direct_fd >= 0) {       /* the direct read's extent must fit too */
+            int64_t lo = it->off / page * page;
+            int64_t hi = (it->off + it->len + page - 1) / page * page;
+            if (hi > self->file_size)
+                hi = self->file_size;
+            int64_t start = it->addr - (it->off - lo);
+            int64_t length = (hi - lo + page - 1) / page * page;
+            if (start < it->lo || start + length > it->hi)
+                why = "a direct read's pages do not fit its buffer";
+        }
+        order[k] = it;
+    }
+    Py_DECREF(spec);
+    if (bad || why) {
+        if (bad && (PyErr_ExceptionMatches(PyExc_TypeError)
+                    || PyErr_ExceptionMatches(PyExc_OverflowError)))
+            PyErr_Clear();
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, why ? why : "spec is not a list of reads");
+        free(items);
+        free(moves);
+        free(order);
+        free(g);
+        return NULL;
+    }
+    Group *obj = PyObject_New(Group, &GroupType);
+    if (!obj) {
+        free(items);
+        free(moves);
+        free(order);
+        free(g);
+        return NULL;
+    }
+    Py_INCREF(self);
+    obj->q = self;
+    obj->g = g;
+    obj->error = NULL;
+    g->refs = 1;
+    g->left = (int)n_items;
+    if (n_items > 1)
+        qsort(order, (size_t)n_items, sizeof(Item *), sort_desc);
+    int nomem = 0;
+    pthread_mutex_lock(&self->mu);
+    if (self->closed) {
+        for (Py_ssize_t k = 0; k < n_items; k++)
+            items[k].taken = 1;
+        g->left = 0;
+        if (n_items)
+            g->kind = KIND_CLOSED;
+    } else {
+        for (Py_ssize_t k = 0; k < n_items; k++) {
+            if (heap_push(self, prio, order[k])) {
+                /* the rest never run: the group fails, its pushed reads still do */
+                for (Py_ssize_t r = k; r < n_items; r++) {
+                    order[r]->taken = 1;
+                    g->left--;
+                }
+                if (!g->kind)
+                    g->kind = KIND_CLOSED;
+                nomem = 1;
+                break;
+            }
+        }
+        if (wake && n_items)
+            wake_lanes(self, prio == 0 ? (int)n_items : 1);
+    }
+    pthread_mutex_unlock(&self->mu);
+    free(order);
+    if (nomem) {
+        Py_DECREF(obj);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)obj;
+}
+
+static PyObject *Lanes_wake(Lanes *self, PyObject *unused) {
+    (void)unused;
+    if (self->sync_ok) {
+        pthread_mutex_lock(&self->mu);
+        if (self->n_heap)
+            wake_lanes(self, 1);
+        pthread_mutex_unlock(&self->mu);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lanes_promote(Lanes *self, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &GroupType) || ((Group *)arg)->q != self) {
+        PyErr_SetString(PyExc_TypeError, "promote takes a group of this queue");
+        return NULL;
+    }
+    GroupC *g = ((Group *)arg)->g;
+    int nomem = 0;
+    pthread_mutex_lock(&self->mu);
+    if (g->prio != 0 && g->left > 0 && !self->closed) {
+        g->prio = 0;
+        int pushed = 0;
+        for (int k = 0; k < g->n_items; k++) {
+            Item *it = &g->items[k];
+            if (!it->taken) {
+                if (heap_push(self, 0, it)) {
+                    nomem = 1;       /* its first entry still runs it, later */
+                    break;
+                }
+                pushed++;
+            }
+        }
+        wake_lanes(self, pushed);
+    }
+    pthread_mutex_unlock(&self->mu);
+    if (nomem)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* wait(groups, timeout) -> True when every group finished within `timeout` seconds. */
+static PyObject *Lanes_wait(Lanes *self, PyObject *args) {
+    PyObject *seq_in;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Od", &seq_in, &timeout))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_in, "groups must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    GroupC *one[16];
+    GroupC **gs = n <= 16 ? one : malloc((size_t)n * sizeof(GroupC *));
+    if (!gs) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, k);
+        if (!PyObject_TypeCheck(o, &GroupType) || ((Group *)o)->q != self) {
+            if (gs != one)
+                free(gs);
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_TypeError, "wait takes groups of this queue");
+            return NULL;
+        }
+        gs[k] = ((Group *)o)->g;
+    }
+    int all = 1;
+    if (timeout < 0)
+        timeout = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    double whole = (double)(long long)timeout;
+    dl.tv_sec += (time_t)whole;
+    dl.tv_nsec += (long)((timeout - whole) * 1e9);
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&self->mu);
+    for (Py_ssize_t k = 0; k < n; k++)
+        gs[k]->waited++;
+    for (;;) {
+        all = 1;
+        for (Py_ssize_t k = 0; k < n && all; k++)
+            all = gs[k]->left == 0;
+        if (all)
+            break;
+        if (pthread_cond_timedwait(&self->done, &self->mu, &dl) == ETIMEDOUT) {
+            all = 1;
+            for (Py_ssize_t k = 0; k < n && all; k++)
+                all = gs[k]->left == 0;
+            break;
+        }
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        gs[k]->waited--;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (gs != one)
+        free(gs);
+    Py_DECREF(seq);
+    return PyBool_FromLong(all);
+}
+
+static PyObject *Lanes_close(Lanes *self, PyObject *unused) {
+    (void)unused;
+    if (self->sync_ok) {
+        Py_BEGIN_ALLOW_THREADS
+        lanes_stop(self);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lanes_get_busy(Lanes *self, void *c) {
+    (void)c;
+    double v = 0;
+    if (self->sync_ok) {
+        pthread_mutex_lock(&self->mu);
+        v = self->busy_s;
+        pthread_mutex_unlock(&self->mu);
+    }
+    return PyFloat_FromDouble(v);
+}
+
+static PyObject *Lanes_get_moved(Lanes *self, void *c) {
+    (void)c;
+    return PyLong_FromLongLong(__atomic_load_n(&self->moved_bytes, __ATOMIC_RELAXED));
+}
+
+static PyObject *Lanes_get_recycle(Lanes *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(__atomic_load_n(&self->recycle, __ATOMIC_RELAXED));
+}
+
+static int Lanes_set_recycle(Lanes *self, PyObject *v, void *c) {
+    (void)c;
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "recycle cannot be deleted");
+        return -1;
+    }
+    int on = PyObject_IsTrue(v);
+    if (on < 0)
+        return -1;
+    __atomic_store_n(&self->recycle, on, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static PyObject *Lanes_get_direct(Lanes *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(__atomic_load_n(&self->use_direct, __ATOMIC_RELAXED));
+}
+
+static PyObject *Lanes_get_refused(Lanes *self, void *c) {
+    (void)c;
+    return PyLong_FromLong(__atomic_load_n(&self->refused_errno, __ATOMIC_RELAXED));
+}
+
+static PyObject *Lanes_get_n(Lanes *self, void *c) {
+    (void)c;
+    return PyLong_FromLong(self->n_lanes);
+}
+
+static PyMethodDef Lanes_methods[] = {
+    {"submit", (PyCFunction)(void (*)(void))Lanes_submit, METH_VARARGS | METH_KEYWORDS,
+     "submit(spec, prio, wake=True) -> Group: queue reads as one group."},
+    {"wake", (PyCFunction)Lanes_wake, METH_NOARGS, "Wake one idle lane if reads are queued."},
+    {"promote", (PyCFunction)Lanes_promote, METH_O,
+     "Queue a group's reads not yet started again, at priority 0."},
+    {"wait", (PyCFunction)Lanes_wait, METH_VARARGS,
+     "wait(groups, timeout) -> bool: every group finished in time."},
+    {"close", (PyCFunction)Lanes_close, METH_NOARGS,
+     "Stop the lanes after the reads in progress; queued reads fail their groups."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Lanes_getset[] = {
+    {"busy_s", (getter)Lanes_get_busy, NULL, "summed lane time spent on reads", NULL},
+    {"moved_bytes", (getter)Lanes_get_moved, NULL, "bytes of pages moved", NULL},
+    {"recycle", (getter)Lanes_get_recycle, (setter)Lanes_set_recycle,
+     "page moves on (a failed move turns them off)", NULL},
+    {"use_direct", (getter)Lanes_get_direct, NULL, "direct reads on", NULL},
+    {"refused_errno", (getter)Lanes_get_refused, NULL,
+     "the errno of the direct read the kernel refused (0: none)", NULL},
+    {"lanes", (getter)Lanes_get_n, NULL, "the number of lanes", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LanesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "bmoe.native.readlanes.Lanes",
+    .tp_basicsize = sizeof(Lanes),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Lanes(direct_fd, buffered_fd, file_size, lanes, recycle, on_error): "
+              "read lanes on pthreads serving one priority queue.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Lanes_init,
+    .tp_dealloc = (destructor)Lanes_dealloc,
+    .tp_methods = Lanes_methods,
+    .tp_getset = Lanes_getset,
+};
+
+/* ---- Group ---- */
+
+static void Group_dealloc(Group *self) {
+    Lanes *q = self->q;
+    if (q && self->g) {
+        pthread_mutex_lock(&q->mu);
+        group_unref(self->g);
+        pthread_mutex_unlock(&q->mu);
+    }
+    Py_CLEAR(self->error);
+    Py_XDECREF(q);
+    PyObject_Free(self);
+}
+
+static PyObject *Group_finished(Group *self, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&self->q->mu);
+    int done = self->g->left == 0;
+    pthread_mutex_unlock(&self->q->mu);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *Group_get_nbytes(Group *self, void *c) {
+    (void)c;
+    pthread_mutex_lock(&self->q->mu);
+    int64_t v = self->g->nbytes;
+    pthread_mutex_unlock(&self->q->mu);
+    return PyLong_FromLongLong(v);
+}
+
+static PyObject *Group_get_prio(Group *self, void *c) {
+    (void)c;
+    pthread_mutex_lock(&self->q->mu);
+    int v = self->g->prio;
+    pthread_mutex_unlock(&self->q->mu);
+    return PyLong_FromLong(v);
+}
+
+static PyObject *Group_get_error(Group *self, void *c) {
+    (void)c;
+    if (self->error) {
+        Py_INCREF(self->error);
+        return self->error;
+    }
+    pthread_mutex_lock(&self->q->mu);
+    int kind = self->g->kind, err = self->g->err;
+    int64_t at = self->g->at;
+    pthread_mutex_unlock(&self->q->mu);
+    if (!kind)
+        Py_RETURN_NONE;
+    PyObject *e = PyObject_CallFunction(self->q->on_error, "iiL", kind, err, (long long)at);
+    if (!e)
+        return NULL;
+    self->error = e;
+    Py_INCREF(e);
+    return e;
+}
+
+static PyMethodDef Group_methods[] = {
+    {"finished", (PyCFunction)Group_finished, METH_NOARGS,
+     "True once every read of the group ran (or failed)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Group_getset[] = {
+    {"nbytes", (getter)Group_get_nbytes, NULL, "bytes read so far", NULL},
+    {"prio", (getter)Group_get_prio, NULL, "the group's priority (0: needed now)", NULL},
+    {"error", (getter)Group_get_error, NULL, "the first failure, or None", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject GroupType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "bmoe.native.readlanes.Group",
+    .tp_basicsize = sizeof(Group),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Reads a caller waits on together (made by Lanes.submit).",
+    .tp_dealloc = (destructor)Group_dealloc,
+    .tp_methods = Group_methods,
+    .tp_getset = Group_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "readlanes",
+    "The expert reader's lanes on pthreads (see reader.py's LaneQueue).", -1,
+    NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit_readlanes(void) {
+    if (PyType_Ready(&LanesType) < 0 || PyType_Ready(&GroupType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&LanesType);
+    Py_INCREF(&GroupType);
+    if (PyModule_AddObject(m, "Lanes", (PyObject *)&LanesType) < 0
+        || PyModule_AddObject(m, "Group", (PyObject *)&GroupType) < 0
+        || PyModule_AddIntConstant(m, "KIND_READ", KIND_READ) < 0
+        || PyModule_AddIntConstant(m, "KIND_SHORT", KIND_SHORT) < 0
+        || PyModule_AddIntConstant(m, "KIND_CLOSED", KIND_CLOSED) < 0
+        || PyModule_AddIntConstant(m, "KIND_FREE", KIND_FREE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,290 @@
+"""The expert reader's lanes in C (`bmoe/native/readlanes.c`, `reader.NativeLaneQueue`).
+
+Real files, real direct and buffered reads, real page moves: every read's bytes are
+compared with the file's. The spec a caller hands to `submit` is fuzzed against a buffer
+with inaccessible guard pages on both sides, so a read or a page move that ever left its
+buffer would kill this process instead of passing.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bmoe.engine.experts import reader as reader_mod
+from bmoe.engine.experts.memory import AnonBuffer, page_ceil, page_floor
+from bmoe.engine.experts.reader import ExpertReader, NativeLaneQueue, Read, ReadError
+
+PAGE = mmap.PAGESIZE
+readlanes = reader_mod.native_lanes()
+pytestmark = pytest.mark.skipif(
+    readlanes is None and os.environ.get(reader_mod.LANES_ENV, "") == "python",
+    reason="BMOE_LANES=python turns the C lanes off")
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    assert readlanes is not None, "bmoe.native.readlanes is not built (pip install -e .)"
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[Path, bytes]:
+    data = np.random.default_rng(7).integers(0, 256, 3 * (1 << 20) + 1234,
+                                             dtype=np.uint8).tobytes()
+    p = tmp_path / "experts.bin"
+    p.write_bytes(data)
+    return p, data
+
+
+def queue_of(path: Path, direct: bool, lanes: int = 4) -> tuple[ExpertReader, NativeLaneQueue]:
+    r = ExpertReader(str(path), lanes, direct)
+    q = r.start_queue()
+    assert isinstance(q, NativeLaneQueue)
+    return r, q
+
+
+def slices() -> list[tuple[int, int]]:
+    """(file offset, length): unaligned starts and ends, a whole-page one, the file's end."""
+    return [(5000, 70000), (1 << 20, 4096), (123457, 300001), (2 << 20, 1 << 20),
+            (3 * (1 << 20) + 1, 1233)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_land_in_place(data_file: tuple[Path, bytes], direct: bool) -> None:
+    path, data = data_file
+    reader, q = queue_of(path, direct)
+    bufs = [AnonBuffer(off, n) for off, n in slices()]
+    try:
+        groups = [q.submit([Read(off, n, b, 0)], prio)
+                  for prio, ((off, n), b) in enumerate(zip(slices(), bufs, strict=True))]
+        assert q.wait(groups, 30)
+        for (off, n), b, g in zip(slices(), bufs, groups, strict=True):
+            assert g.finished() and g.error is None
+            assert bytes(b.view[b.phase:b.phase + n]) == data[off:off + n]
+            assert g.nbytes >= n
+            if not reader.odirect:
+                assert g.nbytes == n
+        assert q.busy_s > 0
+        assert reader.odirect is direct or "refused" in reader.fallback_reason
+    finally:
+        reader.close(bufs)
+
+
+def test_page_moves_hand_pages_over_and_are_counted(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    reader, q = queue_of(path, True)
+    off, n = 8 * PAGE, 64 * PAGE
+    src, dst = AnonBuffer(0, n), AnonBuffer(off, n)
+    src.array[:] = 0xAB                                   # committed pages to hand on
+    try:
+        g = q.submit([Read(off, n, dst, 0, ((src.base, dst.base, n),))], 0)
+        assert q.wait([g], 30) and g.error is None
+        assert bytes(dst.view[:n]) == data[off:off + n]
+        assert reader.moved_bytes == n
+        assert not src.array.any()                        # left mapped and empty
+    finally:
+        reader.close([src, dst])
+
+
+def test_a_direct_read_refused_midway_falls_back(data_file: tuple[Path, bytes]) -> None:
+    """A buffer whose page phase is not the slice's: the direct read's memory is not
+    aligned, the kernel refuses it (EINVAL), the lane reads it buffered from then on,
+    and the reader says why."""
+    path, data = data_file
+    reader, q = queue_of(path, True)
+    if not reader.odirect:
+        pytest.skip("this file system refuses O_DIRECT")
+    off, n = 3 * PAGE + 100, 50000
+    b = AnonBuffer(off + 1, n + PAGE)                     # phase 101: the slice lands at 100
+    try:
+        g = q.submit([Read(off, n, b, 0)], 0)
+        assert q.wait([g], 30) and g.error is None
+        # the lane read the slice where the buffer holds file byte `off` (its phase is 101)
+        assert bytes(b.view[b.phase:b.phase + n]) == data[off:off + n]
+        assert reader.odirect is False and "refused" in reader.fallback_reason
+        assert q.lanes.refused_errno == errno.EINVAL
+        g2 = q.submit([Read(off + 1, n, b, 0)], 0)
+        assert q.wait([g2], 30) and g2.error is None and g2.nbytes == n
+    finally:
+        reader.close([b])
+
+
+def test_a_file_cut_short_is_the_readers_error(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+    reader, q = queue_of(path, True)
+    off, n = 2 << 20, 1 << 20
+    b = AnonBuffer(off, n)
+    try:
+        os.truncate(path, off + 1000)
+        g = q.submit([Read(off, n, b, 0)], 0)
+        assert q.wait([g], 30)
+        assert isinstance(g.error, ReadError)
+        assert str(path) in str(g.error) and "ends early" in str(g.error)
+    finally:
+        reader.close([b])
+
+
+def test_promoted_reads_run_once_and_close_drops_the_queue(
+        data_file: tuple[Path, bytes]) -> None:
+    """One lane, thousands of one-page reads queued behind each other: a group promoted
+    to priority 0 finishes and is read once; closing drops what was still queued (those
+    groups fail, every group finishes, nothing hangs)."""
+    path, data = data_file
+    reader, q = queue_of(path, False, lanes=1)
+    b = AnonBuffer(0, len(data))
+    try:
+        many = [q.submit([Read(i * PAGE, PAGE, b, i * PAGE)], 5, wake=False)
+                for i in range(3 * (1 << 20) // PAGE)]
+        many += [q.submit([Read(i * PAGE, PAGE, b, i * PAGE)], 5, wake=False)
+                 for _ in range(20) for i in range(3 * (1 << 20) // PAGE)]
+        late = q.submit([Read(1000, 5000, b, 1000), Read(9000, 300, b, 9000)], 9)
+        q.wake()
+        q.promote(late)
+        assert q.wait([late], 30) and late.error is None and late.nbytes == 5300
+        assert late.prio == 0
+        assert bytes(b.view[1000:6000]) == data[1000:6000]
+        q.close()
+        assert all(g.finished() for g in many)
+        dropped = [g for g in many if g.error is not None]
+        assert dropped, "everything ran before the close: queue more"
+        assert all("closed" in str(g.error) for g in dropped)
+        after = q.submit([Read(0, 10, b, 0)], 0)
+        assert after.finished() and "closed" in str(after.error)
+    finally:
+        reader.close([b])
+
+
+def test_wait_times_out_and_takes_only_its_own_groups(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    reader, q = queue_of(path, False, lanes=1)
+    other_reader, other = queue_of(path, False, lanes=1)
+    b = AnonBuffer(0, len(data))
+    try:
+        big = q.submit([Read(i * PAGE, PAGE, b, i * PAGE) for i in range(len(data) // PAGE)],
+                       3)
+        assert q.wait([big], 0.0) is False or big.finished()
+        assert q.wait([big], 30) is True and big.nbytes == len(data) // PAGE * PAGE
+        with pytest.raises(TypeError):
+            other.wait([big], 1)
+        with pytest.raises(TypeError):
+            q.lanes.wait([object()], 1)
+        with pytest.raises(TypeError):
+            q.lanes.promote(object())
+    finally:
+        other_reader.close()
+        reader.close([b])
+
+
+# -- the spec, fuzzed ----------------------------------------------------------------
+
+class Guarded:
+    """An anonymous buffer between two inaccessible pages; a second one to move from."""
+
+    def __init__(self, pages: int) -> None:
+        self.map = mmap.mmap(-1, (pages + 2) * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arr = np.frombuffer(self.map, dtype=np.uint8)
+        self.start = int(arr.ctypes.data)
+        del arr
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for guard in (self.start, self.start + (pages + 1) * PAGE):
+            assert libc.mprotect(guard, PAGE, 0) == 0
+        self.lo = self.start + PAGE
+        self.hi = self.lo + pages * PAGE
+
+
+_GUARDED: dict[str, Any] = {}
+
+
+def _error(kind: int, err: int, at: int) -> BaseException:
+    return OSError(err, f"kind {kind} at {at}")
+
+
+def _lanes(path: Path, direct: bool) -> Any:
+    assert readlanes is not None
+    key = f"{path}:{direct}"
+    if key not in _GUARDED:
+        fd = os.open(path, os.O_RDONLY)
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT) if direct else -1
+        _GUARDED[key] = readlanes.Lanes(dfd, fd, os.fstat(fd).st_size, 2, True, _error)
+    return _GUARDED[key]
+
+
+@pytest.fixture(scope="module")
+def fuzz_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("lanes") / "f.bin"
+    p.write_bytes(np.random.default_rng(1).integers(0, 256, 64 * PAGE + 77,
+                                                    dtype=np.uint8).tobytes())
+    return p
+
+
+BUF_PAGES = 16
+_buf = Guarded(BUF_PAGES)
+_src = Guarded(BUF_PAGES)
+
+near = st.integers(-3 * PAGE, (BUF_PAGES + 3) * PAGE)
+offsets = st.one_of(st.integers(-PAGE, 70 * PAGE), st.sampled_from([0, PAGE, 64 * PAGE]))
+lengths = st.one_of(st.integers(-10, 20 * PAGE), st.sampled_from([PAGE, 2 * PAGE]))
+move = st.tuples(st.integers(-PAGE, (BUF_PAGES + 1) * PAGE).map(lambda a: page_floor(abs(a))),
+                 near.map(lambda a: page_floor(abs(a))),
+                 st.integers(-PAGE, 4 * PAGE).map(lambda n: page_ceil(n) if n > 0 else n))
+wild_read = st.tuples(offsets, lengths, near, st.lists(move, max_size=3))
+# reads a caller would make: inside the file and the buffer, page moves inside both
+good_move = st.tuples(st.integers(0, BUF_PAGES - 4).map(lambda i: i * PAGE),
+                      st.integers(0, BUF_PAGES - 4).map(lambda i: i * PAGE),
+                      st.integers(1, 4).map(lambda i: i * PAGE))
+good_read = st.tuples(st.integers(0, 60 * PAGE), st.integers(1, 4 * PAGE),
+                      st.integers(PAGE, 10 * PAGE), st.lists(good_move, max_size=2))
+read = st.one_of(good_read, good_read, wild_read)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reads=st.lists(read, min_size=0, max_size=4), direct=st.booleans(),
+       prio=st.integers(-1, 3))
+def test_fuzzed_specs_never_write_outside_their_buffer(fuzz_file: Path, reads: list[Any],
+                                                       direct: bool, prio: int) -> None:
+    lanes = _lanes(fuzz_file, direct)
+    spec: list[int] = []
+    for off, n, at, moves in reads:
+        spec += [off, n, _buf.lo + at, _buf.lo, _buf.hi, len(moves)]
+        for s, d, m in moves:
+            spec += [_src.lo + s, _buf.lo + d, m]
+    try:
+        g = lanes.submit(spec, prio)
+    except ValueError:
+        return
+    assert prio >= 0
+    assert lanes.wait([g], 30)
+    err = g.error
+    assert err is None or isinstance(err, OSError)
+    # every read accepted fit its buffer: compare its bytes with the file's
+    data = fuzz_file.read_bytes()
+    view = (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * (BUF_PAGES * PAGE))
+                                  .from_address(_buf.lo)))
+    if err is None:
+        for off, n, at, _ in reads:
+            assert _buf.lo <= _buf.lo + at and at + n <= BUF_PAGES * PAGE
+            assert off + n <= len(data)
+        last = reads[-1] if reads else None
+        if last is not None and len(reads) == 1:
+            off, n, at, _ = last
+            assert bytes(view[at:at + n]) == data[off:off + n]
+
+
+@pytest.mark.parametrize("spec", [
+    [1, 2, 3], ["a", 1, 2, 3, 4, 0], [0, 10, 1, 1, 2, -1], [0, 10, 1, 1, 2, 5, 1, 2, 3],
+    [0, 1 << 70, 0, 0, 0, 0], None, 7, [0.5, 1, 1, 1, 1, 0],
+])
+def test_a_malformed_spec_is_refused(fuzz_file: Path, spec: Any) -> None:
+    lanes = _lanes(fuzz_file, False)
+    with pytest.raises((ValueError, TypeError)):
+        lanes.submit(spec, 0)
