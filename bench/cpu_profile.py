@@ -23,6 +23,10 @@ each class's CPU milliseconds per token in both runs and the difference: on a ma
 with as many compute threads as cores, every millisecond the streamed run adds to a class
 is taken from the token's compute or makes it wait.
 
+`--by-thread` also splits the streamed run by thread of the worker, each named by where
+its CPU went (the engine thread: the callback's Python beside compute; llama.cpp's other
+compute thread; the read lanes: the kernel's side of reads), e.g. to see whose Python it is.
+
 Needs root (cgroups, drop_caches, system-wide perf) and `perf` (Debian: `linux-perf`).
 """
 
@@ -97,12 +101,13 @@ def classify(comm: str, pid: int, frames: list[tuple[str, str]], worker: int) ->
     return "other user code"
 
 
-def parse(script: str, worker: int, leaves: Counter[tuple[str, str]] | None = None
-          ) -> Counter[str]:
+def parse(script: str, worker: int, leaves: Counter[tuple[str, str]] | None = None,
+          threads: dict[int, Counter[str]] | None = None) -> Counter[str]:
     """`perf script -F comm,pid,tid,ip,sym,dso` output -> samples per class (and per class
-    and leaf frame, "library: symbol", into `leaves`)."""
+    and leaf frame, "library: symbol", into `leaves`; per thread of the worker and class
+    into `threads`)."""
     counts: Counter[str] = Counter()
-    head: tuple[str, int] | None = None
+    head: tuple[str, int, int] | None = None
     frames: list[tuple[str, str]] = []
     for line in script.splitlines() + [""]:
         if not line.strip():
@@ -112,18 +117,41 @@ def parse(script: str, worker: int, leaves: Counter[tuple[str, str]] | None = No
                 if leaves is not None and frames:
                     sym, dso = frames[0]
                     leaves[(c, f"{os.path.basename(dso)}: {sym}")] += 1
+                if threads is not None and head[1] == worker:
+                    threads.setdefault(head[2], Counter())[c] += 1
             head, frames = None, []
         elif not line[0].isspace():
             parts = line.rsplit(None, 1)          # "comm with spaces  pid/tid"
             comm = parts[0].strip() if len(parts) > 1 else ""
-            pid = int(parts[-1].split("/")[0]) if "/" in parts[-1] else -1
-            head = (comm, pid)
+            ids = parts[-1].split("/") if "/" in parts[-1] else ["-1", "-1"]
+            head = (comm, int(ids[0]), int(ids[1]))
         else:
             rest = line.strip().split(None, 1)
             text = rest[1] if len(rest) > 1 else ""
             sym, _, dso = text.rpartition(" (")
             frames.append((sym.split("+")[0], dso.rstrip(")")))
     return counts
+
+
+READ_CLASSES = ("direct reads (preadv, AIO)", "page moves (mremap, TLB flush)",
+                "page frees (madvise)", "interrupts (read completions)")
+
+
+def thread_role(ms: dict[str, float]) -> str:
+    """What a thread of the worker is, from where its CPU went: a read lane (mostly the
+    kernel's side of reads), the engine thread (the callback's Python beside compute),
+    or a compute thread (llama.cpp and OpenMP only)."""
+    total = sum(ms.values()) or 1.0
+    reads = sum(ms.get(c, 0.0) for c in READ_CLASSES)
+    compute = ms.get("llama.cpp compute", 0.0) + ms.get("OpenMP waiting", 0.0)
+    python = ms.get("Python and numpy", 0.0) + ms.get("bmoe's C (callback, guesses, victims)", 0.0)
+    if reads >= 0.4 * total and compute < 0.2 * total:
+        return "read lane"
+    if compute >= 0.2 * total and python >= 0.1 * total:
+        return "engine thread"
+    if compute >= 0.6 * total:
+        return "compute thread (OpenMP)"
+    return "other thread"
 
 
 def profile(name: str, values: dict[str, Any], cap: MemoryCap | None, args: argparse.Namespace,
@@ -157,12 +185,15 @@ def profile(name: str, values: dict[str, Any], cap: MemoryCap | None, args: argp
                                 capture_output=True, text=True, check=True).stdout
     n = len(out["walls"]) - args.warmup
     leaves: Counter[tuple[str, str]] = Counter()
-    counts = parse(script, out["pid"], leaves)
+    threads: dict[int, Counter[str]] = {}
+    counts = parse(script, out["pid"], leaves, threads)
     ms = {c: counts[c] / freq * 1e3 / n for c in CLASSES}
     walls = out["walls"][args.warmup:]
     res = {"s_per_token": statistics.mean(walls), "ms": ms, "samples": sum(counts.values()),
            "tokens": n, "mib": sum(out["reads"][args.warmup:]) / n / MIB,
-           "leaves": {k: v / freq * 1e3 / n for k, v in leaves.items()}}
+           "leaves": {k: v / freq * 1e3 / n for k, v in leaves.items()},
+           "threads": {tid: {c: v / freq * 1e3 / n for c, v in cnt.items()}
+                       for tid, cnt in threads.items()}}
     print(f"{name:9s} {res['s_per_token']:.4f} s/token over {n} tokens, "
           f"{res['mib']:.1f} MiB read per token, {res['samples']} samples", flush=True)
     return res
@@ -179,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--freq", type=int, default=4000, help="samples per second per CPU")
     ap.add_argument("--top", type=int, default=0,
                     help="also list each class's N leaf functions costing the streamed run most")
+    ap.add_argument("--by-thread", action="store_true",
+                    help="also split the streamed run by thread of the worker (engine "
+                         "thread, compute thread, read lanes)")
     ap.add_argument("--run-timeout", type=float, default=900)
     args = ap.parse_args(argv)
     if shutil.which("perf") is None:
@@ -206,6 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     wa, wb = streamed["s_per_token"] * 1e3, resident["s_per_token"] * 1e3
     print(f"{'wall ms per token':38s} {wa:9.2f} {wb:9.2f} {wa - wb:+8.2f}  "
           f"(streamed / resident {wa / wb:.2f})")
+    if args.by_thread:
+        print("\nthe streamed run by thread of the worker (CPU ms per token; threads under "
+              "0.3 ms left out):")
+        for _, cms in sorted(streamed["threads"].items(), key=lambda kv: -sum(kv[1].values())):
+            total = sum(cms.values())
+            if total < 0.3:
+                continue
+            most = ", ".join(f"{c} {v:.2f}" for c, v in
+                             sorted(cms.items(), key=lambda kv: -kv[1])[:5])
+            print(f"  {thread_role(cms):24s} {total:7.2f}  ({most})")
     if args.top:
         print("\nthe streamed run's costliest leaf functions per class (CPU ms per token):")
         for c in CLASSES:

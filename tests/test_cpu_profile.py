@@ -5,6 +5,7 @@ apart (the table in docs/benchmarks.md rests on these)."""
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -75,3 +76,19 @@ def test_samples_go_to_the_class_their_leaf_most_named_frame_says() -> None:
         "idle": 1,
     }
     assert set(counts) <= set(cpu_profile.CLASSES)
+
+
+def test_samples_split_by_thread_of_the_worker_and_threads_get_roles() -> None:
+    threads: dict[int, Counter[str]] = {}
+    cpu_profile.parse(SCRIPT, worker=500, threads=threads)
+    assert set(threads) == {500, 503, 504, 505, 507}            # only the worker's threads
+    assert threads[503] == {"page moves (mremap, TLB flush)": 1}
+    assert sum(threads[500].values()) == 4                      # its four samples
+    role = cpu_profile.thread_role
+    assert role({"direct reads (preadv, AIO)": 2.0, "page moves (mremap, TLB flush)": 1.0,
+                 "Python and numpy": 0.5}) == "read lane"
+    assert role({"llama.cpp compute": 25.0, "Python and numpy": 7.9,
+                 "bmoe's C (callback, guesses, victims)": 1.0}) == "engine thread"
+    assert role({"llama.cpp compute": 25.0, "OpenMP waiting": 26.0,
+                 "interrupts (read completions)": 1.5}) == "compute thread (OpenMP)"
+    assert role({"thread wake-ups (futex, scheduler)": 1.0}) == "other thread"
