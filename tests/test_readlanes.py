@@ -288,3 +288,124 @@ def test_a_malformed_spec_is_refused(fuzz_file: Path, spec: Any) -> None:
     lanes = _lanes(fuzz_file, False)
     with pytest.raises((ValueError, TypeError)):
         lanes.submit(spec, 0)
+
+
+# -- the read planner against the streamer's Python one --------------------------------
+
+class _Recorded(AnonBuffer):
+    """An AnonBuffer whose freed ranges are recorded instead of freed."""
+
+    freed: list[tuple[int, int]] = []
+
+    def release_at(self, addr: int, length: int) -> None:
+        _Recorded.freed.append((addr, length))
+
+
+def _layers(rng: np.random.Generator, n_layer: int, n_expert: int) -> Any:
+    """Random expert tensors: 1-3 per layer, slices of several sizes and page phases."""
+    from types import SimpleNamespace
+    by_layer, rows, starts, off = {}, [], [0], 12345
+    for layer in range(n_layer):
+        ts = []
+        for _ in range(int(rng.integers(1, 4))):
+            s = int(rng.choice([3 * PAGE + 123, 5 * PAGE, 2 * PAGE + 7, 7 * PAGE - 1]))
+            t = SimpleNamespace(offset=off, slice_bytes=s, layer=layer)
+            buf = _Recorded(off, n_expert * s)
+            ts.append((t, buf))
+            rows.append((off, s, buf.base, buf.phase, buf.size))
+            off += n_expert * s + int(rng.integers(0, 3 * PAGE))
+        by_layer[layer] = tuple(ts)
+        starts.append(len(rows))
+    return by_layer, np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64)
+
+
+def _python_plan(by_layer: Any, layer: int, misses: list[int], victims: list[tuple[int, int]],
+                 split: bool) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    from types import SimpleNamespace
+
+    from bmoe.engine.experts.streamer import ExpertStreamer
+    st = SimpleNamespace(_by_layer=by_layer, _src_unit={},
+                         reader=SimpleNamespace(recycle=True, supply=None))
+    spare = ExpertStreamer._victim_pages(st, victims)         # type: ignore[arg-type]
+    groups = [[e] for e in misses] if split else ([misses] if misses else [])
+    specs, taken = [], []
+    for ids in groups:
+        reads = ExpertStreamer._reads_for(st, layer, np.array(ids), spare)  # type: ignore[arg-type]
+        spec: list[int] = []
+        units = []
+        for r in reads:
+            b = r.buffer
+            spec += [r.offset, r.length, b.base + b.phase + r.at, b.base, b.base + b.size,
+                     len(r.moves)]
+            for m in r.moves:
+                spec += m
+                units.append(st._src_unit[m[0]])
+        specs.append(spec)
+        taken.append(units)
+    for length, pages in spare.items():
+        for buf, addr in pages:
+            buf.release_at(addr, length)
+    return specs, taken
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), split=st.booleans(), sort=st.booleans())
+def test_the_c_planner_plans_the_python_reads(seed: int, split: bool, sort: bool) -> None:
+    """`readlanes.plan` gives the reads, page moves, taken victims and freed pages the
+    streamer's `_victim_pages` + `_reads_for` + `take_spare` give, in the same order:
+    misses in runs or one by one, victims of every slice length (equal, larger, smaller)."""
+    assert readlanes is not None
+    rng = np.random.default_rng(seed)
+    n_layer, n_expert = int(rng.integers(1, 5)), int(rng.integers(2, 12))
+    by_layer, table, starts = _layers(rng, n_layer, n_expert)
+    try:
+        layer = int(rng.integers(0, n_layer))
+        misses = [int(e) for e in rng.choice(n_expert, int(rng.integers(0, n_expert + 1)),
+                                             replace=False)]
+        if sort:
+            misses.sort()
+        units = [(lay, e) for lay in range(n_layer) for e in range(n_expert) if lay != layer]
+        pick = rng.choice(len(units), min(len(units), int(rng.integers(0, 12))), replace=False) \
+            if units else []
+        victims = [units[int(i)] for i in pick]
+        _Recorded.freed = []
+        want_specs, want_taken = _python_plan(by_layer, layer, misses, victims, split)
+        want_freed = _Recorded.freed
+        specs, taken, freed = readlanes.plan(
+            table, starts, layer, np.array(misses, dtype=np.int64),
+            np.array(victims, dtype=np.int64).reshape(-1, 2), True, split, False)
+        assert specs == want_specs
+        assert [list(t) for t in taken] == want_taken
+        assert [tuple(f) for f in freed] == want_freed
+    finally:
+        for ts in by_layer.values():
+            for _, buf in ts:
+                buf.close()
+
+
+def test_the_planner_refuses_ids_and_tables_outside_the_model() -> None:
+    assert readlanes is not None
+    rng = np.random.default_rng(3)
+    by_layer, table, starts = _layers(rng, 2, 4)
+    none = np.zeros((0, 2), dtype=np.int64)
+    try:
+        for layer, misses, victims in [(2, [0], none), (-1, [0], none), (0, [4], none),
+                                       (0, [-1], none), (0, [0], np.array([[5, 0]])),
+                                       (0, [0], np.array([[1, 4]]))]:
+            with pytest.raises(ValueError):
+                readlanes.plan(table, starts, layer, np.array(misses, dtype=np.int64),
+                               np.asarray(victims, dtype=np.int64), True, False, False)
+        with pytest.raises(ValueError):
+            readlanes.plan(table[:, :4].copy(), starts, 0, np.array([0]), none, True, False,
+                           False)
+        with pytest.raises(TypeError):
+            readlanes.plan(table.astype(np.int32), starts, 0, np.array([0]), none, True,
+                           False, False)
+        bad = table.copy()
+        bad[0, 2] += 1                                         # a buffer not page-aligned
+        with pytest.raises(ValueError):
+            readlanes.plan(bad, starts, 0, np.array([0]), none, True, False, False)
+    finally:
+        for ts in by_layer.values():
+            for _, buf in ts:
+                buf.close()

@@ -890,10 +890,358 @@ static PyTypeObject GroupType = {
     .tp_getset = Group_getset,
 };
 
+
+/* ---- read planning: the streamer's _victim_pages + _reads_for + take_spare ---- */
+
+/* A victim's interior pages, spare to hand on (dict-of-lists semantics: `spare[n]` is a
+   list appended in order and popped from its end; lengths keep their first-seen order). */
+typedef struct {
+    int64_t n, addr, size;       /* size: its buffer's end, for the bounds check */
+    int64_t unit_layer, unit_expert;
+    int64_t buf_lo;
+    int used;
+} Spare;
+
+typedef struct {
+    const int64_t *table;        /* [n_tensors, 5]: file offset, slice bytes, base, phase, size */
+    const int64_t *starts;       /* [n_layer + 1]: each layer's first row */
+    int64_t n_layer, page;
+} Tables;
+
+static inline int64_t pceil(int64_t x, int64_t p) { return (x + p - 1) / p * p; }
+static inline int64_t pfloor(int64_t x, int64_t p) { return x / p * p; }
+
+/* (address, length) of the whole pages of slice e of tensor row r */
+static void interior(const Tables *t, Py_ssize_t r, int64_t e, int64_t *addr, int64_t *n) {
+    const int64_t *row = t->table + 5 * r;
+    int64_t s = row[1], base = row[2], phase = row[3];
+    int64_t lo = pceil(phase + e * s, t->page), hi = pfloor(phase + (e + 1) * s, t->page);
+    *addr = base + lo;
+    *n = hi > lo ? hi - lo : 0;
+}
+
+typedef struct {
+    Spare *v;
+    Py_ssize_t n;
+    int64_t *keys;               /* lengths in first-seen order */
+    Py_ssize_t n_keys;
+} SparePool;
+
+static Py_ssize_t last_unused(SparePool *sp, int64_t n) {
+    for (Py_ssize_t i = sp->n - 1; i >= 0; i--)
+        if (!sp->v[i].used && sp->v[i].n == n)
+            return i;
+    return -1;
+}
+
+/* take_spare: the same length first; else the nearest larger (its pages past n are
+   freed); else the largest smaller. Returns the entry, or -1; *cut is the freed tail. */
+static Py_ssize_t take_spare_c(SparePool *sp, int64_t n, int64_t *take, int64_t *cut) {
+    Py_ssize_t i = last_unused(sp, n);
+    *cut = 0;
+    if (i >= 0) {
+        sp->v[i].used = 1;
+        *take = n;
+        return i;
+    }
+    int64_t larger = -1, largest = -1;
+    for (Py_ssize_t k = 0; k < sp->n_keys; k++) {
+        int64_t len = sp->keys[k];
+        if (last_unused(sp, len) < 0)
+            continue;
+        if (len > n && (larger < 0 || len < larger))
+            larger = len;
+        if (len > largest)
+            largest = len;
+    }
+    int64_t k = larger >= 0 ? larger : largest;
+    if (k < 0)
+        return -1;
+    i = last_unused(sp, k);
+    sp->v[i].used = 1;
+    if (k > n) {
+        *cut = k - n;
+        *take = n;
+    } else {
+        *take = k;
+    }
+    return i;
+}
+
+static int get_i64(PyObject *o, Py_buffer *b, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (b->itemsize != 8 || !b->format || (strcmp(b->format, "l") && strcmp(b->format, "q")
+                                           && strcmp(b->format, "<q") && strcmp(b->format, "=q")
+                                           && strcmp(b->format, "<l") && strcmp(b->format, "=l"))) {
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array", what);
+        return -1;
+    }
+    return 0;
+}
+
+static int append_i64(PyObject *list, int64_t v) {
+    PyObject *x = PyLong_FromLongLong(v);
+    if (!x)
+        return -1;
+    int rc = PyList_Append(list, x);
+    Py_DECREF(x);
+    return rc;
+}
+
+/* plan(table, starts, layer, misses, victims, recycle, split, release)
+   -> (specs, taken, released)
+
+   The reads of `misses` of `layer` (expert ids, in order), each slice taking over a
+   victim's interior pages where one is spare, as `Lanes.submit` specs: one spec for
+   them all (consecutive misses in one read per tensor, tensor by tensor), or with
+   `split` one per miss (tensor by tensor within it). `taken` lists, per spec, the
+   (layer, expert) victims whose pages its reads move. The victims' pages no miss took
+   are freed (`madvise(MADV_DONTNEED)`) when `release`, else returned in `released` as
+   (address, length) pairs, with the tails cut off larger victims. */
+static PyObject *plan(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *table_o, *starts_o, *misses_o, *victims_o;
+    long long layer;
+    int recycle, split, release;
+    if (!PyArg_ParseTuple(args, "OOLOOppp", &table_o, &starts_o, &layer, &misses_o,
+                          &victims_o, &recycle, &split, &release))
+        return NULL;
+    Py_buffer tb, sb, mb, vb;
+    if (get_i64(table_o, &tb, "table") < 0)
+        return NULL;
+    if (get_i64(starts_o, &sb, "starts") < 0) {
+        PyBuffer_Release(&tb);
+        return NULL;
+    }
+    if (get_i64(misses_o, &mb, "misses") < 0) {
+        PyBuffer_Release(&tb);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    if (get_i64(victims_o, &vb, "victims") < 0) {
+        PyBuffer_Release(&tb);
+        PyBuffer_Release(&sb);
+        PyBuffer_Release(&mb);
+        return NULL;
+    }
+    PyObject *result = NULL, *specs = NULL, *taken = NULL, *released = NULL;
+    SparePool sp = {0};
+    Tables t;
+    long pg = sysconf(_SC_PAGESIZE);
+    t.page = pg > 0 ? pg : 4096;
+    t.table = tb.buf;
+    t.starts = sb.buf;
+    Py_ssize_t n_rows = tb.len / 8 / 5, n_miss = mb.len / 8, n_vict = vb.len / 8 / 2;
+    t.n_layer = sb.len / 8 - 1;
+    const int64_t *misses = mb.buf, *victims = vb.buf;
+    const char *why = NULL;
+    if (tb.len % 40 || t.n_layer < 1 || vb.len % 16)
+        why = "plan: the tables' shapes are wrong";
+    for (int64_t l = 0; !why && l <= t.n_layer; l++)
+        if (t.starts[l] < 0 || t.starts[l] > n_rows || (l && t.starts[l] < t.starts[l - 1]))
+            why = "plan: the layer starts are wrong";
+    if (!why && (layer < 0 || layer >= t.n_layer))
+        why = "plan: no such layer";
+    for (Py_ssize_t r = 0; !why && r < n_rows; r++) {
+        const int64_t *row = t.table + 5 * r;
+        if (row[0] < 0 || row[1] <= 0 || row[2] <= 0 || row[2] % t.page || row[3] < 0
+            || row[3] >= t.page || row[4] <= 0 || row[4] % t.page)
+            why = "plan: a tensor's row is wrong";
+    }
+    /* every slice asked for must lie in its tensor's buffer */
+    for (Py_ssize_t i = 0; !why && i < n_miss; i++)
+        for (int64_t r = t.starts[layer]; !why && r < t.starts[layer + 1]; r++) {
+            const int64_t *row = t.table + 5 * r;
+            if (misses[i] < 0 || row[3] + (misses[i] + 1) * row[1] > row[4])
+                why = "plan: an expert id is outside its tensor";
+        }
+    for (Py_ssize_t i = 0; !why && i < n_vict; i++) {
+        int64_t vl = victims[2 * i], ve = victims[2 * i + 1];
+        if (vl < 0 || vl >= t.n_layer)
+            why = "plan: a victim's layer is outside the model";
+        for (int64_t r = why ? 0 : t.starts[vl]; !why && r < t.starts[vl + 1]; r++) {
+            const int64_t *row = t.table + 5 * r;
+            if (ve < 0 || row[3] + (ve + 1) * row[1] > row[4])
+                why = "plan: a victim's expert id is outside its tensor";
+        }
+    }
+    if (why) {
+        PyErr_SetString(PyExc_ValueError, why);
+        goto done;
+    }
+    /* the victims' interior pages, in _victim_pages' order */
+    Py_ssize_t cap = 1;
+    for (Py_ssize_t i = 0; i < n_vict; i++) {
+        int64_t vl = victims[2 * i];
+        cap += t.starts[vl + 1] - t.starts[vl];
+    }
+    sp.v = calloc((size_t)cap, sizeof(Spare));
+    sp.keys = calloc((size_t)cap, sizeof(int64_t));
+    specs = PyList_New(0);
+    taken = PyList_New(0);
+    released = PyList_New(0);
+    if (!sp.v || !sp.keys || !specs || !taken || !released) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_vict; i++) {
+        int64_t vl = victims[2 * i], ve = victims[2 * i + 1];
+        for (int64_t r = t.starts[vl]; r < t.starts[vl + 1]; r++) {
+            int64_t addr, n;
+            interior(&t, r, ve, &addr, &n);
+            if (!n)
+                continue;
+            Spare *x = &sp.v[sp.n++];
+            x->n = n;
+            x->addr = addr;
+            x->unit_layer = vl;
+            x->unit_expert = ve;
+            x->buf_lo = t.table[5 * r + 2];
+            x->size = x->buf_lo + t.table[5 * r + 4];
+            int seen = 0;
+            for (Py_ssize_t k = 0; k < sp.n_keys && !seen; k++)
+                seen = sp.keys[k] == n;
+            if (!seen)
+                sp.keys[sp.n_keys++] = n;
+        }
+    }
+    /* the reads: runs of consecutive misses (one miss each with `split`) */
+    Py_ssize_t n_groups = split ? n_miss : (n_miss ? 1 : 0);
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        PyObject *spec = PyList_New(0), *tk = PyList_New(0);
+        if (!spec || !tk || PyList_Append(specs, spec) < 0 || PyList_Append(taken, tk) < 0) {
+            Py_XDECREF(spec);
+            Py_XDECREF(tk);
+            goto fail;
+        }
+        Py_DECREF(spec);
+        Py_DECREF(tk);
+        Py_ssize_t m0 = split ? g : 0, m1 = split ? g + 1 : n_miss;
+        for (int64_t r = t.starts[layer]; r < t.starts[layer + 1]; r++) {
+            const int64_t *row = t.table + 5 * r;
+            int64_t off = row[0], s = row[1], base = row[2], phase = row[3], size = row[4];
+            Py_ssize_t i = m0;
+            while (i < m1) {
+                Py_ssize_t j = i + 1;
+                while (j < m1 && misses[j] == misses[j - 1] + 1)
+                    j++;
+                int64_t e0 = misses[i], e1 = misses[j - 1] + 1;
+                /* the run's moves: at most one per expert */
+                int64_t mv[3 * 64];
+                int64_t *moves = (e1 - e0) <= 64 ? mv : malloc((size_t)(e1 - e0) * 3 * 8);
+                if (!moves) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                Py_ssize_t nm = 0;
+                for (int64_t e = e0; recycle && e < e1; e++) {
+                    int64_t dst, n;
+                    interior(&t, r, e, &dst, &n);
+                    if (!n)
+                        continue;
+                    int64_t take, cut;
+                    Py_ssize_t k = take_spare_c(&sp, n, &take, &cut);
+                    if (k < 0)
+                        continue;
+                    Spare *x = &sp.v[k];
+                    if (cut) {
+                        if (release) {
+                            if (madvise((void *)(intptr_t)(x->addr + n), (size_t)cut,
+                                        MADV_DONTNEED) != 0) {
+                                PyErr_SetFromErrno(PyExc_OSError);
+                                if (moves != mv)
+                                    free(moves);
+                                goto fail;
+                            }
+                        } else {
+                            PyObject *pair = Py_BuildValue("(LL)", (long long)(x->addr + n),
+                                                           (long long)cut);
+                            if (!pair || PyList_Append(released, pair) < 0) {
+                                Py_XDECREF(pair);
+                                if (moves != mv)
+                                    free(moves);
+                                goto fail;
+                            }
+                            Py_DECREF(pair);
+                        }
+                    }
+                    moves[3 * nm] = x->addr;
+                    moves[3 * nm + 1] = dst;
+                    moves[3 * nm + 2] = take;
+                    nm++;
+                    PyObject *u = Py_BuildValue("(LL)", (long long)x->unit_layer,
+                                                (long long)x->unit_expert);
+                    if (!u || PyList_Append(tk, u) < 0) {
+                        Py_XDECREF(u);
+                        if (moves != mv)
+                            free(moves);
+                        goto fail;
+                    }
+                    Py_DECREF(u);
+                }
+                int bad = append_i64(spec, off + e0 * s) < 0
+                          || append_i64(spec, (e1 - e0) * s) < 0
+                          || append_i64(spec, base + phase + e0 * s) < 0
+                          || append_i64(spec, base) < 0 || append_i64(spec, base + size) < 0
+                          || append_i64(spec, nm) < 0;
+                for (Py_ssize_t q = 0; !bad && q < 3 * nm; q++)
+                    bad = append_i64(spec, moves[q]) < 0;
+                if (moves != mv)
+                    free(moves);
+                if (bad)
+                    goto fail;
+                i = j;
+            }
+        }
+    }
+    /* the victims' pages no miss took */
+    for (Py_ssize_t k = 0; k < sp.n_keys; k++)
+        for (Py_ssize_t i = 0; i < sp.n; i++) {
+            Spare *x = &sp.v[i];
+            if (x->used || x->n != sp.keys[k])
+                continue;
+            if (release) {
+                if (madvise((void *)(intptr_t)x->addr, (size_t)x->n, MADV_DONTNEED) != 0) {
+                    PyErr_SetFromErrno(PyExc_OSError);
+                    goto fail;
+                }
+            } else {
+                PyObject *pair = Py_BuildValue("(LL)", (long long)x->addr, (long long)x->n);
+                if (!pair || PyList_Append(released, pair) < 0) {
+                    Py_XDECREF(pair);
+                    goto fail;
+                }
+                Py_DECREF(pair);
+            }
+        }
+    result = Py_BuildValue("(OOO)", specs, taken, released);
+fail:
+done:
+    Py_XDECREF(specs);
+    Py_XDECREF(taken);
+    Py_XDECREF(released);
+    free(sp.v);
+    free(sp.keys);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&vb);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"plan", plan, METH_VARARGS,
+     "plan(table, starts, layer, misses, victims, recycle, split, release) -> (specs, taken, released)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "readlanes",
-    "The expert reader's lanes on pthreads (see reader.py's LaneQueue).", -1,
-    NULL, NULL, NULL, NULL, NULL,
+    "The expert reader's lanes on pthreads (see reader.py's LaneQueue), and the read "
+    "planning that feeds them (streamer.py's _reads_for).", -1,
+    module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit_readlanes(void) {

@@ -655,6 +655,7 @@ class NativeLaneQueue:
 
     def __init__(self, reader: ExpertReader, lanes: int, native: ModuleType) -> None:
         self._reader = reader
+        self.native = native
         # the error maker holds no reference to this queue (the C object is not collected
         # in a cycle)
         self.lanes: Any = native.Lanes(reader.direct_fd if reader._use_direct else -1,
@@ -679,6 +680,10 @@ class NativeLaneQueue:
                 if m[0] == FRESH:
                     raise ValueError("the C lanes take no fresh pages (no huge-page supply)")
                 spec += m
+        return self.lanes.submit(spec, prio, wake)
+
+    def submit_spec(self, spec: list[int], prio: int, wake: bool = True) -> Any:
+        """Queue reads already in `Lanes.submit`'s form (`readlanes.plan` makes them)."""
         return self.lanes.submit(spec, prio, wake)
 
     def wake(self) -> None:

@@ -145,6 +145,8 @@ class ExpertStreamer:
         self._probe: MappingProbe | None = None
         self._buffers: dict[str, AnonBuffer] = {}
         self._by_layer: dict[int, tuple[tuple[ExpertTensor, AnonBuffer], ...]] = {}
+        self._plan_table = np.zeros((0, 5), dtype=np.int64)    # _make_buffers fills them
+        self._plan_starts = np.zeros(1, dtype=np.int64)
         self._tensor_of: dict[bytes, ExpertTensor] = {}
         self._unbound: set[bytes] = set()
         self._dense_runs: list[tuple[int, int]] = []
@@ -366,6 +368,27 @@ class ExpertStreamer:
         self._fill_units = queued
         self.load_info["cache_fill"] = f"{queued} experts queued"
 
+    @property
+    def _planner(self) -> Any:
+        """`readlanes.plan` when the queue's lanes are C and reads are not cut in pieces:
+        the reads of a layer's misses planned and their victims' pages freed in one C
+        call (else `_victim_pages` + `_reads_for` in Python, the same reads)."""
+        q = self.queue
+        if (isinstance(q, NativeLaneQueue) and self.reader is not None
+                and not self.reader.chunk and self.reader.supply is None):
+            return q.native.plan
+        return None
+
+    def _plan(self, plan: Any, layer: int, misses: np.ndarray,
+              victims: list[tuple[int, int]], split: bool
+              ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        assert self.reader is not None
+        v = np.array(victims, dtype=np.int64).reshape(-1, 2)
+        specs, taken, _ = plan(self._plan_table, self._plan_starts, layer,
+                               np.ascontiguousarray(misses, dtype=np.int64), v,
+                               self.reader.recycle, split, True)
+        return specs, taken
+
     def _start_prefetch(self) -> None:
         assert self.reader is not None
         n_layer = self.layout.n_layer
@@ -434,6 +457,15 @@ class ExpertStreamer:
             self._tensor_of[t.name.encode()] = t
         self._by_layer = {layer: tuple(v) for layer, v in by_layer.items()}
         self._unbound = set(self._tensor_of)
+        # the same, as the C read planner takes it: rows (file offset, slice bytes, buffer
+        # base, page phase, buffer size) layer by layer, and each layer's first row
+        rows, starts = [], [0]
+        for layer in range(self.layout.n_layer):
+            rows += [(t.offset, t.slice_bytes, buf.base, buf.phase, buf.size)
+                     for t, buf in self._by_layer.get(layer, ())]
+            starts.append(len(rows))
+        self._plan_table = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        self._plan_starts = np.array(starts, dtype=np.int64)
 
     def _load_all(self) -> None:
         assert self.reader is not None and isinstance(self.cache, ExpertCache)
@@ -676,14 +708,21 @@ class ExpertStreamer:
             cc.spec_useful += int(used.sum())
         self._spec[layer, ids] = False
         waits = [g for e in ids.tolist() if (g := self._inflight.get((layer, e))) is not None]
-        spare = self._victim_pages(adm.victims)
         self._note_victims(adm.victims, c)
-        reads = self._reads_for(layer, adm.misses, spare)
-        for length, pages in spare.items():
-            for buf, addr in pages:
-                buf.release_at(addr, length)
-        t1 = time.perf_counter()
-        group = self.queue.submit(reads, 0)
+        plan = self._planner
+        if plan is not None:
+            specs, _ = self._plan(plan, layer, adm.misses, adm.victims, False)
+            t1 = time.perf_counter()
+            assert isinstance(self.queue, NativeLaneQueue)
+            group = self.queue.submit_spec(specs[0] if specs else [], 0)
+        else:
+            spare = self._victim_pages(adm.victims)
+            reads = self._reads_for(layer, adm.misses, spare)
+            for length, pages in spare.items():
+                for buf, addr in pages:
+                    buf.release_at(addr, length)
+            t1 = time.perf_counter()
+            group = self.queue.submit(reads, 0)
         for g in waits:
             self.queue.promote(g)
         failed = self._wait([group, *waits])
@@ -778,12 +817,27 @@ class ExpertStreamer:
                 and (j, e) not in self._pending_out]
         if not todo:
             return []
-        groups = []
+        groups: list[QueuedGroup] = []
         adm = self.cache.admit_spec(j, np.array(todo, dtype=np.int64))
-        spare = self._victim_pages(adm.victims)
         self._note_victims(adm.victims, c)
         for cc in (c, self._total):
             cc.evictions += len(adm.victims)
+        plan = self._planner
+        if plan is not None:
+            assert isinstance(self.queue, NativeLaneQueue)
+            specs, taken = self._plan(plan, j, adm.misses, adm.victims, True)
+            for e, spec, units in zip(adm.misses.tolist(), specs, taken, strict=True):
+                g = self.queue.submit_spec(spec, prio, wake=False)
+                self._inflight[(j, e)] = g
+                self.cache.pinned[j, e] = True
+                self._spec[j, e] = True
+                for u in units:          # victims whose pages these reads take
+                    self._pending_out[u] = g
+                groups.append(g)
+            if groups:
+                self.queue.wake()
+            return groups
+        spare = self._victim_pages(adm.victims)
         for e in adm.misses.tolist():
             reads = self._reads_for(j, np.array([e]), spare)
             g = self.queue.submit(reads, prio, wake=False)
