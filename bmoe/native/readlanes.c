@@ -181,9 +181,8 @@ static void wake_lanes(Lanes *q, int n) {   /* under mu */
 
 /* ---- a lane ---- */
 
-static void fail(GroupC *g, int kind, int err, int64_t at, int *kind_out, int *err_out,
+static void fail(int kind, int err, int64_t at, int *kind_out, int *err_out,
                  int64_t *at_out) {
-    (void)g;
     *kind_out = kind;
     *err_out = err;
     *at_out = at;
@@ -205,7 +204,7 @@ static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
             __atomic_store_n(&q->recycle, 0, __ATOMIC_RELAXED);  /* freeing still works */
         }
         if (madvise((void *)(intptr_t)m.src, (size_t)m.n, MADV_DONTNEED) != 0) {
-            fail(it->g, KIND_FREE, errno, m.src, kind, err, at);
+            fail(KIND_FREE, errno, m.src, kind, err, at);
             return 0;
         }
     }
@@ -233,7 +232,7 @@ static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
                     refused = 1;
                     break;
                 }
-                fail(it->g, KIND_READ, errno, it->off, kind, err, at);
+                fail(KIND_READ, errno, it->off, kind, err, at);
                 return 0;
             }
             if (n == 0)
@@ -242,7 +241,7 @@ static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
         }
         if (!refused) {
             if (lo + got < end) {
-                fail(it->g, KIND_SHORT, 0, lo + got, kind, err, at);
+                fail(KIND_SHORT, 0, lo + got, kind, err, at);
                 return 0;
             }
             return got;
@@ -255,11 +254,11 @@ static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            fail(it->g, KIND_READ, errno, it->off, kind, err, at);
+            fail(KIND_READ, errno, it->off, kind, err, at);
             return 0;
         }
         if (n == 0) {
-            fail(it->g, KIND_SHORT, 0, it->off + got, kind, err, at);
+            fail(KIND_SHORT, 0, it->off + got, kind, err, at);
             return 0;
         }
         got += n;
@@ -896,9 +895,8 @@ static PyTypeObject GroupType = {
 /* A victim's interior pages, spare to hand on (dict-of-lists semantics: `spare[n]` is a
    list appended in order and popped from its end; lengths keep their first-seen order). */
 typedef struct {
-    int64_t n, addr, size;       /* size: its buffer's end, for the bounds check */
+    int64_t n, addr;
     int64_t unit_layer, unit_expert;
-    int64_t buf_lo;
     int used;
 } Spare;
 
@@ -1098,8 +1096,6 @@ static PyObject *plan(PyObject *self, PyObject *args) {
             x->addr = addr;
             x->unit_layer = vl;
             x->unit_expert = ve;
-            x->buf_lo = t.table[5 * r + 2];
-            x->size = x->buf_lo + t.table[5 * r + 4];
             int seen = 0;
             for (Py_ssize_t k = 0; k < sp.n_keys && !seen; k++)
                 seen = sp.keys[k] == n;
