@@ -4,6 +4,8 @@ layer in use)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -154,7 +156,7 @@ def test_reuse_chances_kept_between_calls_equal_a_fresh_scoring() -> None:
             fresh = ExpertCache.__new__(ExpertCache)
             fresh.__dict__.update({k: (v.copy() if isinstance(v, np.ndarray) else v)
                                    for k, v in c.__dict__.items()})
-            fresh._stale = set(range(n_layer))
+            fresh._stale = np.ones(n_layer, dtype=np.uint8)
             fresh._chance = np.full((n_layer, n_expert), np.nan)
             np.testing.assert_array_equal(kept, fresh.reuse_chance())
     assert c.evictions > 100            # the victims were chosen from these chances
@@ -177,6 +179,18 @@ def test_the_c_victim_choice_is_the_numpy_one(policy: str, monkeypatch: pytest.M
     monkeypatch.setenv(PICK_ENV, "python")
     ref = ExpertCache(sizes, n_expert=n_expert, budget=90, policy=policy)
     assert native._pick is not None and ref._pick is None
+    calls: Counter[str] = Counter()
+    if policy == "reuse":     # the admissions in one C call (cachepick.Book), counted
+        book = native._book
+        assert book is not None and ref._book is None
+        class Counted:
+            def admit(self, *a: object) -> object:
+                calls["admit"] += 1
+                return book.admit(*a)
+            def admit_spec(self, *a: object) -> object:
+                calls["admit_spec"] += 1
+                return book.admit_spec(*a)
+        native._book = Counted()
     victims = 0
     for step in range(600):
         layer = step % n_layer
@@ -196,7 +210,11 @@ def test_the_c_victim_choice_is_the_numpy_one(policy: str, monkeypatch: pytest.M
         assert native.resident_bytes == ref.resident_bytes
         np.testing.assert_array_equal(native.resident, ref.resident)
     assert victims > 200 and native.evictions == ref.evictions
+    assert native.hits == ref.hits and native.misses == ref.misses
+    assert native.rereads == ref.rereads
     if policy == "reuse":    # the learning and scoring in C left the numpy state
+        # most admissions took the one call; the rest (the table due) the parts
+        assert calls["admit"] > 450 and calls["admit_spec"] > 250, calls
         for name in ("visits", "last_visit", "count", "bucket", "hazard"):
             np.testing.assert_array_equal(getattr(native, name), getattr(ref, name), name)
         np.testing.assert_allclose(native.level, ref.level, rtol=1e-15)   # libm's log2
@@ -280,3 +298,35 @@ def test_the_c_pass_refuses_arrays_of_other_sizes() -> None:
     frozen.setflags(write=False)
     with pytest.raises((TypeError, BufferError)):      # a read-only array is not written
         pick.score(frozen, c.last_visit, c.level, c.visits, np.zeros((6, 9)), 0, 6, 8)
+
+
+def test_the_c_admissions_refuse_what_they_cannot_index() -> None:
+    """`cachepick.Book` (a `reuse` cache's admissions in one call) checks the layer, every
+    id, the table's shape and its arrays' sizes before it writes anything."""
+    c = ExpertCache(np.array([2, 2]), n_expert=4, budget=6)
+    book = c._book
+    assert book is not None, "the extension bmoe.native.cachepick is not built"
+    within = np.zeros((6, 9))
+    before = {k: v.copy() for k, v in c.__dict__.items() if isinstance(v, np.ndarray)}
+    with pytest.raises(ValueError, match="layer 2 outside 0..1"):
+        book.admit(2, np.array([1]), 1, within, 0)
+    with pytest.raises(ValueError, match="expert 4 outside 0..3"):
+        book.admit(0, np.array([1, 4]), 1, within, 0)
+    with pytest.raises(ValueError, match="expert -1 outside 0..3"):
+        book.admit_spec(1, np.array([-1]), 1, 1, 0.5, within, 0)
+    with pytest.raises(ValueError, match="more than the layer's experts"):
+        book.admit(0, np.zeros(5, dtype=np.int64), 1, within, 0)
+    with pytest.raises(ValueError, match="within holds"):
+        book.admit(0, np.array([1]), 1, np.zeros((6, 8)), 0)
+    for k, v in before.items():          # nothing was written by a refused call
+        np.testing.assert_array_equal(getattr(c, k), v, k)
+    with pytest.raises(ValueError, match="stamp holds"):
+        type(book)(c.resident, c.stamp[:1], c.loaded, c.pinned, c.spec_p, c.bytes_of,
+                   c.unit_bytes, c.visits, c.last_visit, c.count, c.level, c.bucket, c.hazard,
+                   c._chance, c._stale, c._miss_buf, 6, 8, 1 / 256, 6, 2)
+    frozen = c.stamp.copy()
+    frozen.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        type(book)(c.resident, frozen, c.loaded, c.pinned, c.spec_p, c.bytes_of,
+                   c.unit_bytes, c.visits, c.last_visit, c.count, c.level, c.bucket, c.hazard,
+                   c._chance, c._stale, c._miss_buf, 6, 8, 1 / 256, 6, 2)

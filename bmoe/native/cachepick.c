@@ -33,6 +33,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     double score;
@@ -127,36 +128,13 @@ static bool check(units_t *u, PyObject *keep, PyObject *extra) {
         && (!u->has_extra || sized(&u->extra, u->n, 8, "extra"));
 }
 
-static PyObject *victims(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *keep, *extra;
-    units_t u = {0};
-    long long protect_from, over;
-    Py_ssize_t k;
-    if (!PyArg_ParseTuple(args, "OOy*y*y*Ly*Ln:victims", &keep, &extra, &u.resident,
-                          &u.pinned, &u.stamp, &protect_from, &u.nbytes, &over, &k))
-        return NULL;
-    PyObject *out = NULL;
-    rank_t *heap = NULL;
-    if (!check(&u, keep, extra))
-        goto done;
-    const uint8_t *resident = u.resident.buf, *pinned = u.pinned.buf;
-    const int64_t *stamp = u.stamp.buf, *nbytes = u.nbytes.buf;
-    const double *ks = u.has_keep ? u.keep.buf : NULL;
-    const double *ex = u.has_extra ? u.extra.buf : NULL;
-    if (k > u.n)
-        k = u.n;
-    if (k < 1 || over <= 0) {
-        out = Py_BuildValue("(NL)", PyList_New(0), 0LL);
-        goto done;
-    }
-    heap = PyMem_Malloc(sizeof(rank_t) * (size_t)k);
-    if (heap == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
+/* The heap pass: the k least kept evictable units, least kept first, into `heap`
+ * (room for k); how many were found. */
+static Py_ssize_t pick(rank_t *heap, Py_ssize_t k, Py_ssize_t n, const double *ks,
+                       const double *ex, const uint8_t *resident, const uint8_t *pinned,
+                       const int64_t *stamp, long long protect_from) {
     Py_ssize_t held = 0;
-    for (Py_ssize_t i = 0; i < u.n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         if (!resident[i] || pinned[i] || stamp[i] >= protect_from)
             continue;
         rank_t r = {ks != NULL ? ks[i] : (double)stamp[i], stamp[i], i};
@@ -171,6 +149,37 @@ static PyObject *victims(PyObject *self, PyObject *args) {
         }
     }
     qsort(heap, (size_t)held, sizeof(rank_t), compare);
+    return held;
+}
+
+static PyObject *victims(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *keep, *extra;
+    units_t u = {0};
+    long long protect_from, over;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "OOy*y*y*Ly*Ln:victims", &keep, &extra, &u.resident,
+                          &u.pinned, &u.stamp, &protect_from, &u.nbytes, &over, &k))
+        return NULL;
+    PyObject *out = NULL;
+    rank_t *heap = NULL;
+    if (!check(&u, keep, extra))
+        goto done;
+    const int64_t *nbytes = u.nbytes.buf;
+    if (k > u.n)
+        k = u.n;
+    if (k < 1 || over <= 0) {
+        out = Py_BuildValue("(NL)", PyList_New(0), 0LL);
+        goto done;
+    }
+    heap = PyMem_Malloc(sizeof(rank_t) * (size_t)k);
+    if (heap == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t held = pick(heap, k, u.n, u.has_keep ? u.keep.buf : NULL,
+                           u.has_extra ? u.extra.buf : NULL, u.resident.buf, u.pinned.buf,
+                           u.stamp.buf, protect_from);
     long long freed = 0;
     Py_ssize_t cut = 0;
     while (cut < held && freed < over)
@@ -216,10 +225,48 @@ static PyObject *evictable_bytes(PyObject *self, PyObject *args) {
 
 /* The `reuse` policy's per-admit learning (ExpertCache._learn), for one layer's row of
  * n units: each unit adds one observation to the hazard table [2][gaps][buckets] at its
- * cell (gap since its last use, its bucket; the routed half when `ids` has it), then the
- * routed units' last visit becomes `visits + 1`, every count decays by `decay` and the
- * routed ones gain 1, and the level log2(count + 1) (at most buckets - 1) and its bucket
- * (the level rounded) are remade. The arithmetic is numpy's, in the same order. */
+ * cell (gap since its last use, its bucket; the routed half when `routed` has it), then
+ * the routed units' last visit becomes `visits + 1`, every count decays by `decay` and
+ * the routed ones gain 1, and the level log2(count + 1) (at most buckets - 1) and its
+ * bucket (the level rounded) are remade. The arithmetic is numpy's, in the same order.
+ * The buckets were checked to lie in the table. */
+static void learn_row(const uint8_t *routed, Py_ssize_t n, long long visits, int64_t *lv,
+                      double *ct, double *lvl, int64_t *bk, double *hz, int gaps,
+                      int buckets, double decay) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long gap = visits + 1 - lv[i];
+        if (gap > gaps - 1)
+            gap = gaps - 1;
+        if (gap < 0)
+            gap = 0;
+        hz[(routed[i] ? gaps * buckets : 0) + gap * buckets + bk[i]] += 1.0;
+    }
+    double keep = 1.0 - decay, top = (double)(buckets - 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double c = ct[i] * keep;
+        if (routed[i]) {
+            lv[i] = visits + 1;
+            c += 1.0;
+        }
+        ct[i] = c;
+        double l = log2(c + 1.0);
+        if (l > top)
+            l = top;
+        lvl[i] = l;
+        bk[i] = (int64_t)(l + 0.5);
+    }
+}
+
+static bool buckets_ok(const int64_t *bk, Py_ssize_t n, int buckets) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (bk[i] < 0 || bk[i] >= buckets) {
+            PyErr_SetString(PyExc_ValueError, "learn: a bucket outside the table");
+            return false;
+        }
+    }
+    return true;
+}
+
 static PyObject *learn(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer ids, last, count, level, bucket, hazard;
@@ -254,36 +301,10 @@ static PyObject *learn(PyObject *self, PyObject *args) {
         }
         routed[id[j]] = 1;
     }
-    int64_t *lv = last.buf, *bk = bucket.buf;
-    double *ct = count.buf, *lvl = level.buf, *hz = hazard.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (bk[i] < 0 || bk[i] >= buckets) {
-            PyErr_SetString(PyExc_ValueError, "learn: a bucket outside the table");
-            goto done;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long gap = visits + 1 - lv[i];
-        if (gap > gaps - 1)
-            gap = gaps - 1;
-        if (gap < 0)
-            gap = 0;
-        hz[(routed[i] ? gaps * buckets : 0) + gap * buckets + bk[i]] += 1.0;
-    }
-    double keep = 1.0 - decay, top = (double)(buckets - 1);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double c = ct[i] * keep;
-        if (routed[i]) {
-            lv[i] = visits + 1;
-            c += 1.0;
-        }
-        ct[i] = c;
-        double l = log2(c + 1.0);
-        if (l > top)
-            l = top;
-        lvl[i] = l;
-        bk[i] = (int64_t)(l + 0.5);
-    }
+    if (!buckets_ok(bucket.buf, n, buckets))
+        goto done;
+    learn_row(routed, n, visits, last.buf, count.buf, level.buf, bucket.buf, hazard.buf, gaps,
+              buckets, decay);
     out = Py_NewRef(Py_None);
 done:
     PyMem_Free(routed);
@@ -296,31 +317,12 @@ done:
     return out;
 }
 
-/* `reuse` chances (ExpertCache._score_rows) of layer `row`'s units, or of every layer's
- * with row -1: the chance of use within the horizon from `within` [gaps][buckets + 1] at
- * the unit's gap, interpolated between the buckets around its level. */
-static PyObject *score(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer chance, last, level, visits, within;
-    int row, gaps, buckets;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*y*iii:score", &chance, &last, &level, &visits,
-                          &within, &row, &gaps, &buckets))
-        return NULL;
-    PyObject *out = NULL;
-    Py_ssize_t layers = visits.len / 8;
-    Py_ssize_t n = layers > 0 ? chance.len / 8 / layers : 0;
-    if (gaps < 2 || buckets < 1 || visits.len != layers * 8 || chance.len != layers * n * 8
-        || !sized(&last, layers * n, 8, "last_visit") || !sized(&level, layers * n, 8, "level")
-        || !sized(&within, (Py_ssize_t)gaps * (buckets + 1), 8, "within")
-        || row < -1 || row >= layers) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "score: arrays of unexpected sizes");
-        goto done;
-    }
-    double *ch = chance.buf;
-    const int64_t *lv = last.buf, *vs = visits.buf;
-    const double *lvl = level.buf, *w = within.buf;
-    Py_ssize_t r0 = row < 0 ? 0 : row, r1 = row < 0 ? layers : row + 1;
+/* `reuse` chances of rows r0 .. r1-1 (n units each): the chance of use within the
+ * horizon from `within` [gaps][buckets + 1] at the unit's gap, interpolated between the
+ * buckets around its level. */
+static void score_rows(double *ch, const int64_t *lv, const double *lvl, const int64_t *vs,
+                       const double *w, Py_ssize_t n, Py_ssize_t r0, Py_ssize_t r1, int gaps,
+                       int buckets) {
     for (Py_ssize_t r = r0; r < r1; r++) {
         for (Py_ssize_t i = r * n; i < (r + 1) * n; i++) {
             long long gap = vs[r] + 1 - lv[i];
@@ -339,6 +341,29 @@ static PyObject *score(PyObject *self, PyObject *args) {
             ch[i] = below + (cell[lo + 1] - below) * (l - (double)lo);
         }
     }
+}
+
+/* ExpertCache._score_rows: layer `row`'s units, or every layer's with row -1. */
+static PyObject *score(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer chance, last, level, visits, within;
+    int row, gaps, buckets;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*iii:score", &chance, &last, &level, &visits,
+                          &within, &row, &gaps, &buckets))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t layers = visits.len / 8;
+    Py_ssize_t n = layers > 0 ? chance.len / 8 / layers : 0;
+    if (gaps < 2 || buckets < 1 || visits.len != layers * 8 || chance.len != layers * n * 8
+        || !sized(&last, layers * n, 8, "last_visit") || !sized(&level, layers * n, 8, "level")
+        || !sized(&within, (Py_ssize_t)gaps * (buckets + 1), 8, "within")
+        || row < -1 || row >= layers) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "score: arrays of unexpected sizes");
+        goto done;
+    }
+    score_rows(chance.buf, last.buf, level.buf, visits.buf, within.buf, n,
+               row < 0 ? 0 : row, row < 0 ? layers : row + 1, gaps, buckets);
     out = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&chance);
@@ -348,6 +373,326 @@ done:
     PyBuffer_Release(&within);
     return out;
 }
+
+/* ---- Book: a `reuse` cache's admissions in one call ------------------------------
+ *
+ * Book(resident, stamp, loaded, pinned, spec_p, bytes_of, unit_bytes, visits, last_visit,
+ *      count, level, bucket, hazard, chance, stale, out, gaps, buckets, decay, budget,
+ *      min_unit)
+ * holds the cache's own arrays (their buffers, for its lifetime) and does what
+ * ExpertCache.admit and admit_spec do with the `reuse` policy, in the same order and
+ * with the same arithmetic, as long as the table of chances `within` is not due to be
+ * remade (the caller checks; it is remade in Python once per token):
+ *
+ *   admit(layer, ids, tick, within, resident_bytes)
+ *       -> (misses written to `out`, hits, rereads, victims [(layer, expert)], freed)
+ *   admit_spec(layer, ids, tick, demand_tick, chance, within, resident_bytes)
+ *       -> (misses written to `out`, victims, freed)
+ *
+ * `stale` (one byte per layer) marks the rows of `chance` to score again before a
+ * choice; scoring clears it. Every index is checked before anything is written. */
+
+enum { B_RESIDENT, B_STAMP, B_LOADED, B_PINNED, B_SPEC, B_BYTES, B_UNIT, B_VISITS, B_LAST,
+       B_COUNT, B_LEVEL, B_BUCKET, B_HAZARD, B_CHANCE, B_STALE, B_OUT, B_N };
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer b[B_N];
+    int held;                   /* buffers acquired */
+    Py_ssize_t n_layer, n_expert;
+    int gaps, buckets;
+    double decay;
+    long long budget, min_unit;
+    uint8_t *routed;            /* n_expert scratch */
+    rank_t *heap;               /* n_layer * n_expert scratch */
+} Book;
+
+#define BUF(o, i, T) ((T *)(o)->b[i].buf)
+
+static void Book_dealloc(Book *self) {
+    for (int i = 0; i < self->held; i++)
+        PyBuffer_Release(&self->b[i]);
+    PyMem_Free(self->routed);
+    PyMem_Free(self->heap);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Book_init(Book *self, PyObject *args, PyObject *kw) {
+    (void)kw;
+    if (self->held) {
+        PyErr_SetString(PyExc_TypeError, "Book is made once");
+        return -1;
+    }
+    static const char *names[B_N] = {"resident", "stamp", "loaded", "pinned", "spec_p",
+                                     "bytes_of", "unit_bytes", "visits", "last_visit",
+                                     "count", "level", "bucket", "hazard", "chance", "stale",
+                                     "out"};
+    Py_ssize_t nargs = PyTuple_Size(args);
+    if (nargs != B_N + 5) {
+        PyErr_Format(PyExc_TypeError, "Book takes %d arguments", B_N + 5);
+        return -1;
+    }
+    for (int i = 0; i < B_N; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, i), &self->b[i],
+                               PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            return -1;
+        self->held++;
+    }
+    PyObject *rest = PyTuple_GetSlice(args, B_N, nargs);
+    if (rest == NULL)
+        return -1;
+    int ok = PyArg_ParseTuple(rest, "iidLL:Book", &self->gaps, &self->buckets, &self->decay,
+                              &self->budget, &self->min_unit);
+    Py_DECREF(rest);
+    if (!ok)
+        return -1;
+    Py_ssize_t layers = self->b[B_UNIT].len / 8;
+    Py_ssize_t n = layers > 0 ? self->b[B_RESIDENT].len / layers : 0;
+    Py_ssize_t units = layers * n;
+    self->n_layer = layers;
+    self->n_expert = n;
+    static const Py_ssize_t item[B_N] = {1, 8, 1, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 1, 8};
+    for (int i = 0; i < B_N; i++) {
+        Py_ssize_t want = i == B_UNIT || i == B_VISITS || i == B_STALE ? layers
+                        : i == B_HAZARD ? 2 * (Py_ssize_t)self->gaps * self->buckets
+                        : i == B_OUT ? n : units;
+        if (!sized(&self->b[i], want, item[i], names[i]))
+            return -1;
+    }
+    if (layers < 1 || n < 1 || self->gaps < 2 || self->buckets < 1 || self->min_unit < 1) {
+        PyErr_SetString(PyExc_ValueError, "Book: an empty cache or a bad table shape");
+        return -1;
+    }
+    self->routed = PyMem_Calloc((size_t)n, 1);
+    self->heap = PyMem_Malloc(sizeof(rank_t) * (size_t)units);
+    if (self->routed == NULL || self->heap == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* The layer and its ids (each in 0 .. n_expert - 1), checked. */
+static bool book_ids(Book *self, int layer, const Py_buffer *ids) {
+    if (layer < 0 || layer >= self->n_layer) {
+        PyErr_Format(PyExc_ValueError, "layer %d outside 0..%zd", layer, self->n_layer - 1);
+        return false;
+    }
+    if (ids->len % 8 || ids->len / 8 > self->n_expert) {
+        PyErr_SetString(PyExc_ValueError, "ids: more than the layer's experts, or not int64");
+        return false;
+    }
+    const int64_t *id = ids->buf;
+    for (Py_ssize_t j = 0; j < ids->len / 8; j++) {
+        if (id[j] < 0 || id[j] >= self->n_expert) {
+            PyErr_Format(PyExc_ValueError, "expert %lld outside 0..%zd", (long long)id[j],
+                         self->n_expert - 1);
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool book_within(Book *self, const Py_buffer *within) {
+    return sized(within, (Py_ssize_t)self->gaps * (self->buckets + 1), 8, "within");
+}
+
+/* ExpertCache._take after the misses are in `out`: victims if over the budget (the
+ * stale rows scored first), then the misses resident and loaded. */
+static PyObject *book_take(Book *self, int layer, Py_ssize_t m, long long protect_from,
+                           const double *within, long long resident_bytes, long long *freed) {
+    Py_ssize_t n = self->n_expert, units = self->n_layer * n;
+    uint8_t *resident = BUF(self, B_RESIDENT, uint8_t);
+    const int64_t *out = BUF(self, B_OUT, int64_t);
+    long long need = BUF(self, B_UNIT, int64_t)[layer] * (long long)m;
+    long long over = resident_bytes + need - self->budget;
+    *freed = 0;
+    PyObject *list = NULL;
+    Py_ssize_t cut = 0;
+    if (over > 0) {
+        uint8_t *stale = BUF(self, B_STALE, uint8_t);
+        Py_ssize_t nstale = 0;
+        for (Py_ssize_t r = 0; r < self->n_layer; r++)
+            nstale += stale[r] != 0;
+        double *chance = BUF(self, B_CHANCE, double);
+        const int64_t *lv = BUF(self, B_LAST, int64_t), *vs = BUF(self, B_VISITS, int64_t);
+        const double *lvl = BUF(self, B_LEVEL, double);
+        if (nstale > 2) {
+            score_rows(chance, lv, lvl, vs, within, n, 0, self->n_layer, self->gaps,
+                       self->buckets);
+        } else {
+            for (Py_ssize_t r = 0; r < self->n_layer; r++)
+                if (stale[r])
+                    score_rows(chance, lv, lvl, vs, within, n, r, r + 1, self->gaps,
+                               self->buckets);
+        }
+        memset(stale, 0, (size_t)self->n_layer);
+        Py_ssize_t k = (Py_ssize_t)((over + self->min_unit - 1) / self->min_unit);
+        if (k > units)
+            k = units;
+        Py_ssize_t held = pick(self->heap, k, units, chance, BUF(self, B_SPEC, double),
+                               resident, BUF(self, B_PINNED, uint8_t),
+                               BUF(self, B_STAMP, int64_t), protect_from);
+        const int64_t *nbytes = BUF(self, B_BYTES, int64_t);
+        while (cut < held && *freed < over)
+            *freed += nbytes[self->heap[cut++].unit];
+    }
+    list = PyList_New(cut);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < cut; j++) {
+        Py_ssize_t u = self->heap[j].unit;
+        PyObject *t = Py_BuildValue("(nn)", u / n, u % n);
+        if (t == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, j, t);
+    }
+    for (Py_ssize_t j = 0; j < cut; j++)
+        resident[self->heap[j].unit] = 0;
+    uint8_t *loaded = BUF(self, B_LOADED, uint8_t);
+    for (Py_ssize_t j = 0; j < m; j++) {
+        resident[layer * n + out[j]] = 1;
+        loaded[layer * n + out[j]] = 1;
+    }
+    return list;
+}
+
+static PyObject *Book_admit(Book *self, PyObject *args) {
+    int layer;
+    Py_buffer ids, within;
+    long long tick, resident_bytes;
+    if (!PyArg_ParseTuple(args, "iy*Ly*L:admit", &layer, &ids, &tick, &within,
+                          &resident_bytes))
+        return NULL;
+    PyObject *ret = NULL;
+    if (!book_ids(self, layer, &ids) || !book_within(self, &within))
+        goto done;
+    Py_ssize_t n = self->n_expert, k = ids.len / 8, base = (Py_ssize_t)layer * n;
+    const int64_t *id = ids.buf;
+    int64_t *bucket = BUF(self, B_BUCKET, int64_t) + base;
+    if (!buckets_ok(bucket, n, self->buckets))
+        goto done;
+    const uint8_t *resident = BUF(self, B_RESIDENT, uint8_t) + base;
+    const uint8_t *loaded = BUF(self, B_LOADED, uint8_t) + base;
+    int64_t *out = BUF(self, B_OUT, int64_t);
+    Py_ssize_t m = 0, hits = 0, rereads = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (resident[id[j]])
+            hits++;
+        else
+            out[m++] = id[j];
+    }
+    for (Py_ssize_t j = 0; j < m; j++)
+        rereads += loaded[out[j]] != 0;
+    int64_t *stamp = BUF(self, B_STAMP, int64_t) + base;
+    for (Py_ssize_t j = 0; j < k; j++)
+        stamp[id[j]] = tick;
+    memset(self->routed, 0, (size_t)n);
+    for (Py_ssize_t j = 0; j < k; j++)
+        self->routed[id[j]] = 1;
+    int64_t *visits = BUF(self, B_VISITS, int64_t);
+    learn_row(self->routed, n, visits[layer], BUF(self, B_LAST, int64_t) + base,
+              BUF(self, B_COUNT, double) + base, BUF(self, B_LEVEL, double) + base, bucket,
+              BUF(self, B_HAZARD, double), self->gaps, self->buckets, self->decay);
+    visits[layer] += 1;
+    BUF(self, B_STALE, uint8_t)[layer] = 1;
+    double *spec = BUF(self, B_SPEC, double) + base;
+    for (Py_ssize_t i = 0; i < n; i++)
+        spec[i] = 0.0;
+    long long freed;
+    PyObject *victims = book_take(self, layer, m, tick, within.buf, resident_bytes, &freed);
+    if (victims != NULL)
+        ret = Py_BuildValue("(nnnNL)", m, hits, rereads, victims, freed);
+done:
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&within);
+    return ret;
+}
+
+static PyObject *Book_admit_spec(Book *self, PyObject *args) {
+    int layer;
+    Py_buffer ids, within;
+    long long tick, demand_tick, resident_bytes;
+    double chance;
+    if (!PyArg_ParseTuple(args, "iy*LLdy*L:admit_spec", &layer, &ids, &tick, &demand_tick,
+                          &chance, &within, &resident_bytes))
+        return NULL;
+    PyObject *ret = NULL;
+    if (!book_ids(self, layer, &ids) || !book_within(self, &within))
+        goto done;
+    Py_ssize_t n = self->n_expert, k = ids.len / 8, base = (Py_ssize_t)layer * n;
+    Py_ssize_t units = self->n_layer * n;
+    const int64_t *id = ids.buf;
+    const uint8_t *resident = BUF(self, B_RESIDENT, uint8_t);
+    const uint8_t *pinned = BUF(self, B_PINNED, uint8_t);
+    int64_t *out = BUF(self, B_OUT, int64_t);
+    Py_ssize_t m = 0;
+    for (Py_ssize_t j = 0; j < k; j++)
+        if (!resident[base + id[j]] && !pinned[base + id[j]])
+            out[m++] = id[j];
+    long long freed = 0;
+    if (m == 0) {
+        ret = Py_BuildValue("(nNL)", m, PyList_New(0), freed);
+        goto done;
+    }
+    long long unit = BUF(self, B_UNIT, int64_t)[layer];
+    long long need = unit * (long long)m;
+    if (resident_bytes + need > self->budget) {
+        const int64_t *stamp = BUF(self, B_STAMP, int64_t), *nbytes = BUF(self, B_BYTES, int64_t);
+        long long free = 0;
+        for (Py_ssize_t i = 0; i < units; i++)
+            if (resident[i] && !pinned[i] && stamp[i] < demand_tick)
+                free += nbytes[i];
+        if (resident_bytes + need - free > self->budget) {
+            long long room = self->budget - resident_bytes + free;
+            long long fit = room <= 0 ? 0 : room / (unit > 1 ? unit : 1);
+            if (fit < m)
+                m = (Py_ssize_t)fit;
+            if (m == 0) {
+                ret = Py_BuildValue("(nNL)", m, PyList_New(0), freed);
+                goto done;
+            }
+        }
+    }
+    int64_t *stamp = BUF(self, B_STAMP, int64_t) + base;
+    double *spec = BUF(self, B_SPEC, double) + base;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        stamp[out[j]] = tick;
+        spec[out[j]] = chance;
+    }
+    PyObject *victims = book_take(self, layer, m, demand_tick, within.buf, resident_bytes,
+                                  &freed);
+    if (victims != NULL)
+        ret = Py_BuildValue("(nNL)", m, victims, freed);
+done:
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&within);
+    return ret;
+}
+
+static PyMethodDef Book_methods[] = {
+    {"admit", (PyCFunction)Book_admit, METH_VARARGS,
+     "admit(layer, ids, tick, within, resident_bytes) -> (misses in out, hits, rereads, "
+     "victims, bytes freed)"},
+    {"admit_spec", (PyCFunction)Book_admit_spec, METH_VARARGS,
+     "admit_spec(layer, ids, tick, demand_tick, chance, within, resident_bytes) -> "
+     "(misses in out, victims, bytes freed)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "bmoe.native.cachepick.Book",
+    .tp_doc = "A reuse cache's admissions over its own arrays (see cache.py).",
+    .tp_basicsize = sizeof(Book),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Book_init,
+    .tp_dealloc = (destructor)Book_dealloc,
+    .tp_methods = Book_methods,
+};
 
 static PyMethodDef methods[] = {
     {"victims", victims, METH_VARARGS,
@@ -368,4 +713,15 @@ static struct PyModuleDef module = {
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit_cachepick(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_cachepick(void) {
+    if (PyType_Ready(&BookType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Book", (PyObject *)&BookType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -58,6 +58,7 @@ import importlib
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -133,8 +134,18 @@ class ExpertCache:
         # changes only when its layer is admitted (its gaps and levels) or the table is
         # remade, so only those rows are scored again
         self._chance = np.zeros((n_layer, n_expert), dtype=np.float64)
-        self._stale: set[int] = set(range(n_layer))
+        self._stale = np.ones(n_layer, dtype=np.uint8)   # rows of `_chance` to score again
         self._pick = native_pick()
+        # `reuse` with the C parts: an admission is one C call over these same arrays
+        # (cachepick.Book), except when the table of chances is due to be remade
+        self._book: Any = None
+        self._miss_buf = np.zeros(n_expert, dtype=np.int64)
+        if self._pick is not None and policy == "reuse" and n_layer and n_expert:
+            self._book = self._pick.Book(
+                self.resident, self.stamp, self.loaded, self.pinned, self.spec_p,
+                self.bytes_of, self.unit_bytes, self.visits, self.last_visit, self.count,
+                self.level, self.bucket, self.hazard, self._chance, self._stale,
+                self._miss_buf, _GAPS, _BUCKETS, _COUNT_DECAY, self.budget, self._min_unit)
         self.tick = 0
         self.demand_tick = 0          # the tick of the last admit(): its units are in use
         self.last_layer = -1
@@ -148,11 +159,30 @@ class ExpertCache:
         n = self.hits + self.misses
         return round(100.0 * self.hits / n, 2) if n else 0.0
 
+    def _book_ready(self, ids: np.ndarray, learns: int) -> bool:
+        """Whether this admission can be the one C call: `reuse` in C, ids no more than
+        a layer has, and the table of chances not due to be remade by it (`learns`: the
+        admits it learns from, before it chooses victims)."""
+        return (self._book is not None and len(ids) <= self.n_expert
+                and self._within is not None and self._learned + learns < self.n_layer)
+
     def admit(self, layer: int, ids: np.ndarray) -> Admission:
         self.tick += 1
         self.demand_tick = self.tick
         self.last_layer = layer
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if self._book_ready(ids, 1):
+            m, hits, rereads, victims, freed = self._book.admit(
+                layer, ids, self.tick, self._within, self.resident_bytes)
+            self._count_learned()
+            adm = Admission(misses=self._miss_buf[:m].copy(), victims=victims, hits=hits,
+                            rereads=rereads)
+            self.resident_bytes += int(self.unit_bytes[layer]) * m - freed
+            self.evictions += len(victims)
+            self.hits += hits
+            self.misses += m
+            self.rereads += rereads
+            return adm
         row = self.resident[layer]
         hit = row[ids]
         misses = ids[~hit]
@@ -176,7 +206,14 @@ class ExpertCache:
         be made without touching the last admit's units or pinned ones. Until `layer` is
         asked for, the next-use policy counts them as used with `chance`."""
         self.tick += 1
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if self._book_ready(ids, 0):
+            m, victims, freed = self._book.admit_spec(
+                layer, ids, self.tick, self.demand_tick, chance, self._within,
+                self.resident_bytes)
+            self.resident_bytes += int(self.unit_bytes[layer]) * m - freed
+            self.evictions += len(victims)
+            return Admission(misses=self._miss_buf[:m].copy(), victims=victims)
         misses = ids[~self.resident[layer, ids] & ~self.pinned[layer, ids]]
         adm = Admission(misses=misses)
         if not len(misses):
@@ -254,12 +291,15 @@ class ExpertCache:
         self._learned_one(layer)
 
     def _learned_one(self, layer: int) -> None:
+        self._stale[layer] = 1
+        self._count_learned()
+
+    def _count_learned(self) -> None:
         self._seen_total += self.n_expert
         if self._seen_total > _TABLE_MAX:           # a long session: old evidence halves
             self.hazard *= 0.5
             self._seen_total *= 0.5
         self._learned += 1
-        self._stale.add(layer)
 
     def _within_table(self) -> np.ndarray:
         """[gap, bucket] -> the chance of use within `_HORIZON` visits: 1 - prod(1 - h)
@@ -279,7 +319,7 @@ class ExpertCache:
             # one more bucket, a copy of the last: the interpolation's upper neighbour
             self._within = np.hstack([within, within[:, -1:]])
             self._learned = 0
-            self._stale.update(range(self.n_layer))
+            self._stale[:] = 1
         return self._within
 
     def reuse_chance(self) -> np.ndarray:
@@ -287,13 +327,13 @@ class ExpertCache:
         `_HORIZON` visits of its layer, from the learned table (the cache's own array,
         kept between calls: read it, do not write to it)."""
         within = self._within_table()
-        stale = self._stale
+        stale = np.flatnonzero(self._stale)
         if len(stale) > 2:
             self._score_rows(slice(None), within)
         else:
-            for layer in stale:
+            for layer in stale.tolist():
                 self._score_rows(layer, within)
-        stale.clear()
+        self._stale[:] = 0
         return self._chance
 
     def _score_rows(self, rows: slice | int, within: np.ndarray) -> None:
