@@ -409,3 +409,61 @@ def test_the_planner_refuses_ids_and_tables_outside_the_model() -> None:
         for ts in by_layer.values():
             for _, buf in ts:
                 buf.close()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_plan_submit_reads_the_planned_slices_over_the_victims_pages(
+        tmp_path: Path, split: bool) -> None:
+    """`Lanes.plan_submit` queues `plan`'s reads without a spec leaving C: the missed
+    slices land in place with the file's bytes, read over the victims' committed pages
+    (moved, not faulted in), and each group names the victims whose pages it took, as
+    `plan` does for the same input."""
+    assert readlanes is not None
+    rng = np.random.default_rng(5)
+    n_expert, sizes = 6, [(3 * PAGE + 123, 5 * PAGE), (2 * PAGE + 7, 3 * PAGE + 123)]
+    rows, starts, off, bufs = [], [0], 777, []
+    for layer_sizes in sizes:
+        for s in layer_sizes:
+            buf = AnonBuffer(off, n_expert * s)
+            bufs.append((off, s, buf))
+            rows.append((off, s, buf.base, buf.phase, buf.size))
+            off += n_expert * s + 1000
+        starts.append(len(rows))
+    data = rng.integers(0, 256, off, dtype=np.uint8).tobytes()
+    path = tmp_path / "model.bin"
+    path.write_bytes(data)
+    table, starts_a = np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64)
+    reader, q = queue_of(path, True)
+    none = np.zeros((0, 2), dtype=np.int64)
+    try:
+        # layer 1's experts 0..3 resident first: the victims-to-be
+        groups, taken = q.lanes.plan_submit(table, starts_a, 1, np.arange(4, dtype=np.int64),
+                                            none, True, False, 0, True)
+        assert len(groups) == 1 and taken == [[]] and q.wait(groups, 30)
+        victims = np.array([[1, 0], [1, 2], [1, 3]], dtype=np.int64)
+        misses = np.array([1, 2, 4], dtype=np.int64)
+        _, want_taken, _ = readlanes.plan(table, starts_a, 0, misses, victims, True, split,
+                                          False)
+        moved = reader.moved_bytes
+        groups, taken = q.lanes.plan_submit(table, starts_a, 0, misses, victims, True, split,
+                                            3, True)
+        assert len(groups) == (len(misses) if split else 1)
+        assert [list(t) for t in taken] == [list(t) for t in want_taken]
+        assert sum(len(t) for t in taken) > 0
+        assert q.wait(groups, 30) and all(g.error is None for g in groups)
+        assert all(g.prio == 3 for g in groups)
+        for o, s, buf in bufs[:2]:            # layer 0's tensors
+            for e in misses.tolist():
+                got = bytes(buf.view[buf.phase + e * s:buf.phase + (e + 1) * s])
+                assert got == data[o + e * s:o + (e + 1) * s], (o, e)
+        assert reader.moved_bytes > moved
+        assert sum(g.nbytes for g in groups) >= sum(s for _, s, _ in bufs[:2]) * len(misses)
+        empty, _ = q.lanes.plan_submit(table, starts_a, 0, np.zeros(0, dtype=np.int64), none,
+                                       True, split, 0, True)
+        assert empty == []
+        with pytest.raises(ValueError, match="no such layer"):
+            q.lanes.plan_submit(table, starts_a, 2, misses, none, True, split, 0, True)
+        with pytest.raises(ValueError, match="prio"):
+            q.lanes.plan_submit(table, starts_a, 0, misses, none, True, split, -1, True)
+    finally:
+        reader.close([b for _, _, b in bufs])

@@ -435,24 +435,16 @@ static int sort_desc(const void *a, const void *b) {
 /* submit(spec, prio, wake=True) -> Group. `spec` is a flat sequence of ints, per read:
    offset, length, address, buffer start, buffer end, number of moves, then (src, dst,
    length) per move. */
-static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"spec", "prio", "wake", NULL};
-    PyObject *spec_in;
-    int prio, wake = 1;
+static PyObject *submit_core(Lanes *self, const int64_t *spec, Py_ssize_t n, int prio,
+                             int wake) {
     if (!self->sync_ok) {
         PyErr_SetString(PyExc_RuntimeError, "Lanes is not set up");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oi|p", names, &spec_in, &prio, &wake))
-        return NULL;
     if (prio < 0) {
         PyErr_SetString(PyExc_ValueError, "prio must be 0 or more");
         return NULL;
     }
-    PyObject *spec = PySequence_Fast(spec_in, "spec must be a sequence of ints");
-    if (!spec)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(spec);
     /* count reads and moves first */
     Py_ssize_t i = 0, n_items = 0, n_moves = 0;
     int bad = 0;
@@ -461,9 +453,9 @@ static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
             bad = 2;
             break;
         }
-        int64_t nm = item_int(spec, i + 5, &bad);
-        if (bad || nm < 0 || nm > (n - i - 6) / 3) {
-            bad = bad ? bad : 2;
+        int64_t nm = spec[i + 5];
+        if (nm < 0 || nm > (n - i - 6) / 3) {
+            bad = 2;
             break;
         }
         n_items++;
@@ -471,12 +463,7 @@ static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
         i += 6 + 3 * nm;
     }
     if (bad) {
-        if (bad == 2 || PyErr_ExceptionMatches(PyExc_TypeError)
-            || PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_ValueError, "spec is not a list of reads");
-        }
-        Py_DECREF(spec);
+        PyErr_SetString(PyExc_ValueError, "spec is not a list of reads");
         return NULL;
     }
     GroupC *g = calloc(1, sizeof(GroupC));
@@ -488,7 +475,6 @@ static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
         free(items);
         free(moves);
         free(order);
-        Py_DECREF(spec);
         return PyErr_NoMemory();
     }
     g->items = items;
@@ -501,18 +487,18 @@ static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
     for (Py_ssize_t k = 0; k < n_items && !bad && !why; k++) {
         Item *it = &items[k];
         it->g = g;
-        it->off = item_int(spec, i, &bad);
-        it->len = item_int(spec, i + 1, &bad);
-        it->addr = item_int(spec, i + 2, &bad);
-        it->lo = item_int(spec, i + 3, &bad);
-        it->hi = item_int(spec, i + 4, &bad);
-        it->nmoves = (int)item_int(spec, i + 5, &bad);
+        it->off = spec[i];
+        it->len = spec[i + 1];
+        it->addr = spec[i + 2];
+        it->lo = spec[i + 3];
+        it->hi = spec[i + 4];
+        it->nmoves = (int)spec[i + 5];
         it->moves = moves + m;
         for (int j = 0; j < it->nmoves && !bad; j++) {
             Move *mv = &moves[m++];
-            mv->src = item_int(spec, i + 6 + 3 * j, &bad);
-            mv->dst = item_int(spec, i + 7 + 3 * j, &bad);
-            mv->n = item_int(spec, i + 8 + 3 * j, &bad);
+            mv->src = spec[i + 6 + 3 * j];
+            mv->dst = spec[i + 7 + 3 * j];
+            mv->n = spec[i + 8 + 3 * j];
             if (!bad && (mv->src <= 0 || mv->dst <= 0 || mv->n <= 0 || mv->src % self->page
                          || mv->dst % self->page || mv->n % self->page
                          || mv->dst < it->lo || mv->dst + mv->n > it->hi))
@@ -540,13 +526,8 @@ static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
         }
         order[k] = it;
     }
-    Py_DECREF(spec);
     if (bad || why) {
-        if (bad && (PyErr_ExceptionMatches(PyExc_TypeError)
-                    || PyErr_ExceptionMatches(PyExc_OverflowError)))
-            PyErr_Clear();
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, why ? why : "spec is not a list of reads");
+        PyErr_SetString(PyExc_ValueError, why ? why : "spec is not a list of reads");
         free(items);
         free(moves);
         free(order);
@@ -601,6 +582,40 @@ static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
         return PyErr_NoMemory();
     }
     return (PyObject *)obj;
+}
+
+/* submit(spec, prio, wake=True) -> Group (submit_core over the sequence's ints) */
+static PyObject *Lanes_submit(Lanes *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"spec", "prio", "wake", NULL};
+    PyObject *spec_in;
+    int prio, wake = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oi|p", names, &spec_in, &prio, &wake))
+        return NULL;
+    PyObject *seq = PySequence_Fast(spec_in, "spec must be a sequence of ints");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *spec = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!spec) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < n && !bad; i++)
+        spec[i] = item_int(seq, i, &bad);
+    Py_DECREF(seq);
+    PyObject *g = NULL;
+    if (bad) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)
+            || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "spec is not a list of reads");
+        }
+    } else {
+        g = submit_core(self, spec, n, prio, wake);
+    }
+    free(spec);
+    return g;
 }
 
 static PyObject *Lanes_wake(Lanes *self, PyObject *unused) {
@@ -768,9 +783,14 @@ static PyObject *Lanes_get_n(Lanes *self, void *c) {
     return PyLong_FromLong(self->n_lanes);
 }
 
+static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args);
+
 static PyMethodDef Lanes_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))Lanes_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(spec, prio, wake=True) -> Group: queue reads as one group."},
+    {"plan_submit", (PyCFunction)Lanes_plan_submit, METH_VARARGS,
+     "plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake) -> "
+     "(groups, taken): plan's reads queued as groups."},
     {"wake", (PyCFunction)Lanes_wake, METH_NOARGS, "Wake one idle lane if reads are queued."},
     {"promote", (PyCFunction)Lanes_promote, METH_O,
      "Queue a group's reads not yet started again, at priority 0."},
@@ -979,63 +999,86 @@ static int get_i64(PyObject *o, Py_buffer *b, const char *what) {
     return 0;
 }
 
-static int append_i64(PyObject *list, int64_t v) {
-    PyObject *x = PyLong_FromLongLong(v);
-    if (!x)
-        return -1;
-    int rc = PyList_Append(list, x);
-    Py_DECREF(x);
-    return rc;
+/* A growing int64 array. */
+typedef struct {
+    int64_t *v;
+    Py_ssize_t n, cap;
+} Vec;
+
+static int vec_push(Vec *x, int64_t v) {
+    if (x->n == x->cap) {
+        Py_ssize_t cap = x->cap ? 2 * x->cap : 64;
+        int64_t *nv = realloc(x->v, (size_t)cap * sizeof(int64_t));
+        if (!nv) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        x->v = nv;
+        x->cap = cap;
+    }
+    x->v[x->n++] = v;
+    return 0;
 }
 
-/* plan(table, starts, layer, misses, victims, recycle, split, release)
-   -> (specs, taken, released)
+/* What a plan makes: the specs one after the other (`ends[g]`: where spec g ends), the
+   taken victims as (layer, expert) pairs (`taken_ends[g]`: where group g's end, in
+   pairs), the (address, length) pairs not freed (without `release`). */
+typedef struct {
+    Vec spec, ends, taken, taken_ends, released;
+} PlanOut;
 
-   The reads of `misses` of `layer` (expert ids, in order), each slice taking over a
-   victim's interior pages where one is spare, as `Lanes.submit` specs: one spec for
-   them all (consecutive misses in one read per tensor, tensor by tensor), or with
-   `split` one per miss (tensor by tensor within it). `taken` lists, per spec, the
-   (layer, expert) victims whose pages its reads move. The victims' pages no miss took
-   are freed (`madvise(MADV_DONTNEED)`) when `release`, else returned in `released` as
-   (address, length) pairs, with the tails cut off larger victims. */
-static PyObject *plan(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *table_o, *starts_o, *misses_o, *victims_o;
-    long long layer;
-    int recycle, split, release;
-    if (!PyArg_ParseTuple(args, "OOLOOppp", &table_o, &starts_o, &layer, &misses_o,
-                          &victims_o, &recycle, &split, &release))
-        return NULL;
+static void plan_free(PlanOut *o) {
+    free(o->spec.v);
+    free(o->ends.v);
+    free(o->taken.v);
+    free(o->taken_ends.v);
+    free(o->released.v);
+}
+
+/* The buffers plan and Lanes.plan_submit take, checked. */
+typedef struct {
     Py_buffer tb, sb, mb, vb;
-    if (get_i64(table_o, &tb, "table") < 0)
-        return NULL;
-    if (get_i64(starts_o, &sb, "starts") < 0) {
-        PyBuffer_Release(&tb);
-        return NULL;
+    int held;
+} PlanArgs;
+
+static void plan_args_release(PlanArgs *a) {
+    Py_buffer *b[4] = {&a->tb, &a->sb, &a->mb, &a->vb};
+    for (int i = 0; i < a->held; i++)
+        PyBuffer_Release(b[i]);
+    a->held = 0;
+}
+
+static int plan_args(PlanArgs *a, PyObject *table_o, PyObject *starts_o, PyObject *misses_o,
+                     PyObject *victims_o) {
+    PyObject *o[4] = {table_o, starts_o, misses_o, victims_o};
+    Py_buffer *b[4] = {&a->tb, &a->sb, &a->mb, &a->vb};
+    static const char *what[4] = {"table", "starts", "misses", "victims"};
+    a->held = 0;
+    for (int i = 0; i < 4; i++) {
+        if (get_i64(o[i], b[i], what[i]) < 0) {
+            plan_args_release(a);
+            return -1;
+        }
+        a->held++;
     }
-    if (get_i64(misses_o, &mb, "misses") < 0) {
-        PyBuffer_Release(&tb);
-        PyBuffer_Release(&sb);
-        return NULL;
-    }
-    if (get_i64(victims_o, &vb, "victims") < 0) {
-        PyBuffer_Release(&tb);
-        PyBuffer_Release(&sb);
-        PyBuffer_Release(&mb);
-        return NULL;
-    }
-    PyObject *result = NULL, *specs = NULL, *taken = NULL, *released = NULL;
+    return 0;
+}
+
+/* The planning itself (see plan below); 0, or -1 with an exception set. */
+static int plan_core(PlanArgs *a, long long layer, int recycle, int split, int release,
+                     PlanOut *out) {
     SparePool sp = {0};
     Tables t;
+    int rc = -1;
     long pg = sysconf(_SC_PAGESIZE);
     t.page = pg > 0 ? pg : 4096;
-    t.table = tb.buf;
-    t.starts = sb.buf;
-    Py_ssize_t n_rows = tb.len / 8 / 5, n_miss = mb.len / 8, n_vict = vb.len / 8 / 2;
-    t.n_layer = sb.len / 8 - 1;
-    const int64_t *misses = mb.buf, *victims = vb.buf;
+    t.table = a->tb.buf;
+    t.starts = a->sb.buf;
+    Py_ssize_t n_rows = a->tb.len / 8 / 5, n_miss = a->mb.len / 8, n_vict = a->vb.len / 8 / 2;
+    t.n_layer = a->sb.len / 8 - 1;
+    const int64_t *misses = a->mb.buf, *victims = a->vb.buf;
     const char *why = NULL;
-    if (tb.len % 40 || t.n_layer < 1 || vb.len % 16)
+    if (a->tb.len % 40 || t.n_layer < 1 || a->vb.len % 16)
         why = "plan: the tables' shapes are wrong";
     for (int64_t l = 0; !why && l <= t.n_layer; l++)
         if (t.starts[l] < 0 || t.starts[l] > n_rows || (l && t.starts[l] < t.starts[l - 1]))
@@ -1067,7 +1110,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     }
     if (why) {
         PyErr_SetString(PyExc_ValueError, why);
-        goto done;
+        return -1;
     }
     /* the victims' interior pages, in _victim_pages' order */
     Py_ssize_t cap = 1;
@@ -1077,10 +1120,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     }
     sp.v = calloc((size_t)cap, sizeof(Spare));
     sp.keys = calloc((size_t)cap, sizeof(int64_t));
-    specs = PyList_New(0);
-    taken = PyList_New(0);
-    released = PyList_New(0);
-    if (!sp.v || !sp.keys || !specs || !taken || !released) {
+    if (!sp.v || !sp.keys) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1106,14 +1146,6 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     /* the reads: runs of consecutive misses (one miss each with `split`) */
     Py_ssize_t n_groups = split ? n_miss : (n_miss ? 1 : 0);
     for (Py_ssize_t g = 0; g < n_groups; g++) {
-        PyObject *spec = PyList_New(0), *tk = PyList_New(0);
-        if (!spec || !tk || PyList_Append(specs, spec) < 0 || PyList_Append(taken, tk) < 0) {
-            Py_XDECREF(spec);
-            Py_XDECREF(tk);
-            goto fail;
-        }
-        Py_DECREF(spec);
-        Py_DECREF(tk);
         Py_ssize_t m0 = split ? g : 0, m1 = split ? g + 1 : n_miss;
         for (int64_t r = t.starts[layer]; r < t.starts[layer + 1]; r++) {
             const int64_t *row = t.table + 5 * r;
@@ -1124,14 +1156,15 @@ static PyObject *plan(PyObject *self, PyObject *args) {
                 while (j < m1 && misses[j] == misses[j - 1] + 1)
                     j++;
                 int64_t e0 = misses[i], e1 = misses[j - 1] + 1;
-                /* the run's moves: at most one per expert */
-                int64_t mv[3 * 64];
-                int64_t *moves = (e1 - e0) <= 64 ? mv : malloc((size_t)(e1 - e0) * 3 * 8);
-                if (!moves) {
-                    PyErr_NoMemory();
-                    goto fail;
-                }
-                Py_ssize_t nm = 0;
+                /* the read's head; its move count is filled in after its moves */
+                Py_ssize_t head = out->spec.n;
+                if (vec_push(&out->spec, off + e0 * s) < 0
+                    || vec_push(&out->spec, (e1 - e0) * s) < 0
+                    || vec_push(&out->spec, base + phase + e0 * s) < 0
+                    || vec_push(&out->spec, base) < 0 || vec_push(&out->spec, base + size) < 0
+                    || vec_push(&out->spec, 0) < 0)
+                    goto done;
+                int64_t nm = 0;
                 for (int64_t e = e0; recycle && e < e1; e++) {
                     int64_t dst, n;
                     interior(&t, r, e, &dst, &n);
@@ -1147,50 +1180,27 @@ static PyObject *plan(PyObject *self, PyObject *args) {
                             if (madvise((void *)(intptr_t)(x->addr + n), (size_t)cut,
                                         MADV_DONTNEED) != 0) {
                                 PyErr_SetFromErrno(PyExc_OSError);
-                                if (moves != mv)
-                                    free(moves);
-                                goto fail;
+                                goto done;
                             }
-                        } else {
-                            PyObject *pair = Py_BuildValue("(LL)", (long long)(x->addr + n),
-                                                           (long long)cut);
-                            if (!pair || PyList_Append(released, pair) < 0) {
-                                Py_XDECREF(pair);
-                                if (moves != mv)
-                                    free(moves);
-                                goto fail;
-                            }
-                            Py_DECREF(pair);
+                        } else if (vec_push(&out->released, x->addr + n) < 0
+                                   || vec_push(&out->released, cut) < 0) {
+                            goto done;
                         }
                     }
-                    moves[3 * nm] = x->addr;
-                    moves[3 * nm + 1] = dst;
-                    moves[3 * nm + 2] = take;
+                    if (vec_push(&out->spec, x->addr) < 0 || vec_push(&out->spec, dst) < 0
+                        || vec_push(&out->spec, take) < 0
+                        || vec_push(&out->taken, x->unit_layer) < 0
+                        || vec_push(&out->taken, x->unit_expert) < 0)
+                        goto done;
                     nm++;
-                    PyObject *u = Py_BuildValue("(LL)", (long long)x->unit_layer,
-                                                (long long)x->unit_expert);
-                    if (!u || PyList_Append(tk, u) < 0) {
-                        Py_XDECREF(u);
-                        if (moves != mv)
-                            free(moves);
-                        goto fail;
-                    }
-                    Py_DECREF(u);
                 }
-                int bad = append_i64(spec, off + e0 * s) < 0
-                          || append_i64(spec, (e1 - e0) * s) < 0
-                          || append_i64(spec, base + phase + e0 * s) < 0
-                          || append_i64(spec, base) < 0 || append_i64(spec, base + size) < 0
-                          || append_i64(spec, nm) < 0;
-                for (Py_ssize_t q = 0; !bad && q < 3 * nm; q++)
-                    bad = append_i64(spec, moves[q]) < 0;
-                if (moves != mv)
-                    free(moves);
-                if (bad)
-                    goto fail;
+                out->spec.v[head + 5] = nm;
                 i = j;
             }
         }
+        if (vec_push(&out->ends, out->spec.n) < 0
+            || vec_push(&out->taken_ends, out->taken.n / 2) < 0)
+            goto done;
     }
     /* the victims' pages no miss took */
     for (Py_ssize_t k = 0; k < sp.n_keys; k++)
@@ -1201,29 +1211,159 @@ static PyObject *plan(PyObject *self, PyObject *args) {
             if (release) {
                 if (madvise((void *)(intptr_t)x->addr, (size_t)x->n, MADV_DONTNEED) != 0) {
                     PyErr_SetFromErrno(PyExc_OSError);
-                    goto fail;
+                    goto done;
                 }
-            } else {
-                PyObject *pair = Py_BuildValue("(LL)", (long long)x->addr, (long long)x->n);
-                if (!pair || PyList_Append(released, pair) < 0) {
-                    Py_XDECREF(pair);
-                    goto fail;
-                }
-                Py_DECREF(pair);
+            } else if (vec_push(&out->released, x->addr) < 0
+                       || vec_push(&out->released, x->n) < 0) {
+                goto done;
             }
         }
+    rc = 0;
+done:
+    free(sp.v);
+    free(sp.keys);
+    return rc;
+}
+
+/* Group g's taken victims as a list of (layer, expert). */
+static PyObject *taken_list(const PlanOut *o, Py_ssize_t g) {
+    Py_ssize_t t0 = g ? o->taken_ends.v[g - 1] : 0, t1 = o->taken_ends.v[g];
+    PyObject *tk = PyList_New(t1 - t0);
+    for (Py_ssize_t q = t0; tk && q < t1; q++) {
+        PyObject *u = Py_BuildValue("(LL)", (long long)o->taken.v[2 * q],
+                                    (long long)o->taken.v[2 * q + 1]);
+        if (!u) {
+            Py_CLEAR(tk);
+            break;
+        }
+        PyList_SET_ITEM(tk, q - t0, u);
+    }
+    return tk;
+}
+
+/* plan(table, starts, layer, misses, victims, recycle, split, release)
+   -> (specs, taken, released)
+
+   The reads of `misses` of `layer` (expert ids, in order), each slice taking over a
+   victim's interior pages where one is spare, as `Lanes.submit` specs: one spec for
+   them all (consecutive misses in one read per tensor, tensor by tensor), or with
+   `split` one per miss (tensor by tensor within it). `taken` lists, per spec, the
+   (layer, expert) victims whose pages its reads move. The victims' pages no miss took
+   are freed (`madvise(MADV_DONTNEED)`) when `release`, else returned in `released` as
+   (address, length) pairs, with the tails cut off larger victims. */
+static PyObject *plan(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *table_o, *starts_o, *misses_o, *victims_o;
+    long long layer;
+    int recycle, split, release;
+    if (!PyArg_ParseTuple(args, "OOLOOppp", &table_o, &starts_o, &layer, &misses_o,
+                          &victims_o, &recycle, &split, &release))
+        return NULL;
+    PlanArgs a;
+    if (plan_args(&a, table_o, starts_o, misses_o, victims_o) < 0)
+        return NULL;
+    PlanOut o = {0};
+    PyObject *result = NULL, *specs = NULL, *taken = NULL, *released = NULL;
+    if (plan_core(&a, layer, recycle, split, release, &o) < 0)
+        goto done;
+    Py_ssize_t n_groups = o.ends.n;
+    specs = PyList_New(n_groups);
+    taken = PyList_New(n_groups);
+    released = PyList_New(o.released.n / 2);
+    if (!specs || !taken || !released)
+        goto done;
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        Py_ssize_t s0 = g ? o.ends.v[g - 1] : 0, s1 = o.ends.v[g];
+        PyObject *spec = PyList_New(s1 - s0);
+        if (!spec)
+            goto done;
+        PyList_SET_ITEM(specs, g, spec);
+        for (Py_ssize_t q = s0; q < s1; q++) {
+            PyObject *x = PyLong_FromLongLong(o.spec.v[q]);
+            if (!x)
+                goto done;
+            PyList_SET_ITEM(spec, q - s0, x);
+        }
+        PyObject *tk = taken_list(&o, g);
+        if (!tk)
+            goto done;
+        PyList_SET_ITEM(taken, g, tk);
+    }
+    for (Py_ssize_t q = 0; q < o.released.n / 2; q++) {
+        PyObject *pair = Py_BuildValue("(LL)", (long long)o.released.v[2 * q],
+                                       (long long)o.released.v[2 * q + 1]);
+        if (!pair)
+            goto done;
+        PyList_SET_ITEM(released, q, pair);
+    }
     result = Py_BuildValue("(OOO)", specs, taken, released);
-fail:
 done:
     Py_XDECREF(specs);
     Py_XDECREF(taken);
     Py_XDECREF(released);
-    free(sp.v);
-    free(sp.keys);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&mb);
-    PyBuffer_Release(&vb);
+    plan_free(&o);
+    plan_args_release(&a);
+    return result;
+}
+
+/* plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake)
+   -> (groups, taken)
+
+   `plan` with the victims' spare pages freed, each spec queued at once as a group (no
+   spec leaves C): one group for every miss, or with `split` one per miss. With `split`
+   the groups are queued without waking a lane and one lane is woken after the last (the
+   lanes wake each other for the rest); without it the group wakes lanes as `submit`
+   does. No misses: no group. */
+static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args) {
+    PyObject *table_o, *starts_o, *misses_o, *victims_o;
+    long long layer;
+    int recycle, split, prio, wake;
+    if (!PyArg_ParseTuple(args, "OOLOOppip", &table_o, &starts_o, &layer, &misses_o,
+                          &victims_o, &recycle, &split, &prio, &wake))
+        return NULL;
+    if (!self->sync_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "Lanes is not set up");
+        return NULL;
+    }
+    if (prio < 0) {
+        PyErr_SetString(PyExc_ValueError, "prio must be 0 or more");
+        return NULL;
+    }
+    PlanArgs a;
+    if (plan_args(&a, table_o, starts_o, misses_o, victims_o) < 0)
+        return NULL;
+    PlanOut o = {0};
+    PyObject *result = NULL, *groups = NULL, *taken = NULL;
+    if (plan_core(&a, layer, recycle, split, 1, &o) < 0)
+        goto done;
+    Py_ssize_t n_groups = o.ends.n;
+    groups = PyList_New(n_groups);
+    taken = PyList_New(n_groups);
+    if (!groups || !taken)
+        goto done;
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        Py_ssize_t s0 = g ? o.ends.v[g - 1] : 0, s1 = o.ends.v[g];
+        PyObject *grp = submit_core(self, o.spec.v + s0, s1 - s0, prio, split ? 0 : wake);
+        if (!grp)
+            goto done;
+        PyList_SET_ITEM(groups, g, grp);
+        PyObject *tk = taken_list(&o, g);
+        if (!tk)
+            goto done;
+        PyList_SET_ITEM(taken, g, tk);
+    }
+    if (split && wake && n_groups) {
+        pthread_mutex_lock(&self->mu);
+        if (self->n_heap)
+            wake_lanes(self, 1);
+        pthread_mutex_unlock(&self->mu);
+    }
+    result = Py_BuildValue("(OO)", groups, taken);
+done:
+    Py_XDECREF(groups);
+    Py_XDECREF(taken);
+    plan_free(&o);
+    plan_args_release(&a);
     return result;
 }
 

@@ -682,10 +682,6 @@ class NativeLaneQueue:
                 spec += m
         return self.lanes.submit(spec, prio, wake)
 
-    def submit_spec(self, spec: list[int], prio: int, wake: bool = True) -> Any:
-        """Queue reads already in `Lanes.submit`'s form (`readlanes.plan` makes them)."""
-        return self.lanes.submit(spec, prio, wake)
-
     def wake(self) -> None:
         """Wake one idle lane for what was queued without waking one."""
         self.lanes.wake()

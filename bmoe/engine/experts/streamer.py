@@ -369,25 +369,26 @@ class ExpertStreamer:
         self.load_info["cache_fill"] = f"{queued} experts queued"
 
     @property
-    def _planner(self) -> Any:
-        """`readlanes.plan` when the queue's lanes are C and reads are not cut in pieces:
-        the reads of a layer's misses planned and their victims' pages freed in one C
-        call (else `_victim_pages` + `_reads_for` in Python, the same reads)."""
+    def _planned(self) -> bool:
+        """Whether a layer's reads are planned and queued in C (`Lanes.plan_submit`): the
+        queue's lanes are C and reads are not cut in pieces (else `_victim_pages` +
+        `_reads_for` in Python, the same reads)."""
         q = self.queue
-        if (isinstance(q, NativeLaneQueue) and self.reader is not None
-                and not self.reader.chunk and self.reader.supply is None):
-            return q.native.plan
-        return None
+        return (isinstance(q, NativeLaneQueue) and self.reader is not None
+                and not self.reader.chunk and self.reader.supply is None)
 
-    def _plan(self, plan: Any, layer: int, misses: np.ndarray,
-              victims: list[tuple[int, int]], split: bool
-              ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-        assert self.reader is not None
+    def _plan_submit(self, layer: int, misses: np.ndarray, victims: list[tuple[int, int]],
+                     split: bool, prio: int) -> tuple[list[QueuedGroup], list[Any]]:
+        """The reads of `layer`'s misses planned and queued in one C call: the groups (one,
+        or one per miss with `split`; none without misses) and per group the victims
+        whose pages its reads take."""
+        assert self.reader is not None and isinstance(self.queue, NativeLaneQueue)
         v = np.array(victims, dtype=np.int64).reshape(-1, 2)
-        specs, taken, _ = plan(self._plan_table, self._plan_starts, layer,
-                               np.ascontiguousarray(misses, dtype=np.int64), v,
-                               self.reader.recycle, split, True)
-        return specs, taken
+        groups, taken = self.queue.lanes.plan_submit(
+            self._plan_table, self._plan_starts, layer,
+            np.ascontiguousarray(misses, dtype=np.int64), v, self.reader.recycle, split,
+            prio, True)
+        return groups, taken
 
     def _start_prefetch(self) -> None:
         assert self.reader is not None
@@ -709,12 +710,10 @@ class ExpertStreamer:
         self._spec[layer, ids] = False
         waits = [g for e in ids.tolist() if (g := self._inflight.get((layer, e))) is not None]
         self._note_victims(adm.victims, c)
-        plan = self._planner
-        if plan is not None:
-            specs, _ = self._plan(plan, layer, adm.misses, adm.victims, False)
+        mine: list[QueuedGroup]
+        if self._planned:
+            mine, _ = self._plan_submit(layer, adm.misses, adm.victims, False, 0)
             t1 = time.perf_counter()
-            assert isinstance(self.queue, NativeLaneQueue)
-            group = self.queue.submit_spec(specs[0] if specs else [], 0)
         else:
             spare = self._victim_pages(adm.victims)
             reads = self._reads_for(layer, adm.misses, spare)
@@ -722,16 +721,16 @@ class ExpertStreamer:
                 for buf, addr in pages:
                     buf.release_at(addr, length)
             t1 = time.perf_counter()
-            group = self.queue.submit(reads, 0)
+            mine = [self.queue.submit(reads, 0)]
         for g in waits:
             self.queue.promote(g)
-        failed = self._wait([group, *waits])
+        failed = self._wait([*mine, *waits])
         stall = time.perf_counter() - t1
         if failed is not None:
             self._forget(layer, adm.misses)
             self._sweep()
             raise failed
-        self._count(t1 - t0, stall, group.nbytes, adm)
+        self._count(t1 - t0, stall, sum(g.nbytes for g in mine), adm)
         for cc in (c, self._total):
             cc.stall_s += stall
         return adm
@@ -822,20 +821,15 @@ class ExpertStreamer:
         self._note_victims(adm.victims, c)
         for cc in (c, self._total):
             cc.evictions += len(adm.victims)
-        plan = self._planner
-        if plan is not None:
-            assert isinstance(self.queue, NativeLaneQueue)
-            specs, taken = self._plan(plan, j, adm.misses, adm.victims, True)
-            for e, spec, units in zip(adm.misses.tolist(), specs, taken, strict=True):
-                g = self.queue.submit_spec(spec, prio, wake=False)
-                self._inflight[(j, e)] = g
-                self.cache.pinned[j, e] = True
-                self._spec[j, e] = True
+        if self._planned:            # queued, and one lane woken, by the one call
+            groups, taken = self._plan_submit(j, adm.misses, adm.victims, True, prio)
+            pinned, inflight, pending = self.cache.pinned, self._inflight, self._pending_out
+            for e, g, units in zip(adm.misses.tolist(), groups, taken, strict=True):
+                inflight[(j, e)] = g
+                pinned[j, e] = True
                 for u in units:          # victims whose pages these reads take
-                    self._pending_out[u] = g
-                groups.append(g)
-            if groups:
-                self.queue.wake()
+                    pending[u] = g
+            self._spec[j, adm.misses] = True
             return groups
         spare = self._victim_pages(adm.victims)
         for e in adm.misses.tolist():
