@@ -13,7 +13,8 @@ prints the best of 4 timed passes in ms per token for each policy. The baseline,
 in the same run, is the default policy (`reuse`) with its bookkeeping in numpy (`numpy
 pick`: the victims by a mask, a partition and a sort over the evictable units, `reuse`'s
 learning and scoring by a dozen numpy calls per admit, as the cache did before
-`bmoe.native.cachepick`); the other rows run those parts in C.
+`bmoe.native.cachepick`); the other rows run those parts in C. `reuse, C parts` calls
+them one by one from Python; `reuse` makes each admission one C call (`cachepick.Book`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ class NumpyPick(ExpertCache):
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self._pick = None
+        self._book = None
+
+
+class CParts(ExpertCache):
+    """`reuse`'s parts in C, called one by one from Python (no `cachepick.Book`): the
+    cache as it was before an admission became one C call."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._book = None
 
 
 def routing(n_layer: int, n_expert: int, k: int, tokens: int, seed: int
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(pip install -e . builds it)")
     variants = [("reuse, numpy pick", NumpyPick, "reuse"), ("lru, numpy pick", NumpyPick, "lru"),
                 ("lru", ExpertCache, "lru"), ("next-use", ExpertCache, "next-use"),
-                ("reuse", ExpertCache, "reuse")]
+                ("reuse, C parts", CParts, "reuse"), ("reuse", ExpertCache, "reuse")]
     print(f"{'shape':28s} {'policy':20s} {'ms/token':>8s} {'x base':>6s} {'evictions':>9s}")
     for n_layer in (int(x) for x in args.layers.split(",")):
         for k in (int(x) for x in args.top_k.split(",")):
