@@ -330,3 +330,46 @@ def test_the_c_admissions_refuse_what_they_cannot_index() -> None:
         type(book)(c.resident, frozen, c.loaded, c.pinned, c.spec_p, c.bytes_of,
                    c.unit_bytes, c.visits, c.last_visit, c.count, c.level, c.bucket, c.hazard,
                    c._chance, c._stale, c._miss_buf, 6, 8, 1 / 256, 6, 2)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_the_one_call_admissions_are_the_numpy_ones(data: st.DataObject) -> None:
+    """`reuse` with its admissions in one C call (`cachepick.Book`) against the numpy
+    reference, on drawn shapes, unit sizes and budgets (down to one that a layer's set
+    overshoots), drawn admits, read-aheads with their chances, pins and unpins: the same
+    misses, victims in order, hits and re-reads at every step, the same state after."""
+    n_layer = data.draw(st.integers(2, 6), "layers")
+    n_expert = data.draw(st.integers(2, 20), "experts")
+    sizes = np.array(data.draw(st.lists(st.integers(1, 5), min_size=n_layer,
+                                        max_size=n_layer), "sizes"))
+    budget = data.draw(st.integers(1, int(sizes.sum()) * n_expert), "budget")
+    native = ExpertCache(sizes, n_expert=n_expert, budget=budget)
+    ref = ExpertCache(sizes, n_expert=n_expert, budget=budget)
+    ref._pick = ref._book = None          # all numpy, as BMOE_CACHE_PICK=python makes it
+    assert native._book is not None, "the extension bmoe.native.cachepick is not built"
+    ids_of = st.lists(st.integers(0, n_expert - 1), min_size=1, max_size=n_expert,
+                      unique=True).map(lambda v: np.array(v, dtype=np.int64))
+    for step in range(data.draw(st.integers(1, 40), "steps")):
+        layer = step % n_layer
+        op = data.draw(st.sampled_from(["admit", "admit", "spec", "pin", "unpin"]))
+        if op == "admit":
+            ids = data.draw(ids_of)
+            a, b = native.admit(layer, ids), ref.admit(layer, ids)
+            assert (a.hits, a.rereads) == (b.hits, b.rereads)
+        elif op == "spec":
+            ids = data.draw(ids_of)
+            chance = data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
+            a, b = native.admit_spec(layer, ids, chance), ref.admit_spec(layer, ids, chance)
+        else:
+            e = data.draw(st.integers(0, n_expert - 1))
+            native.pinned[layer, e] = ref.pinned[layer, e] = op == "pin"
+            continue
+        assert a.misses.tolist() == b.misses.tolist()
+        assert a.victims == b.victims
+        assert native.resident_bytes == ref.resident_bytes
+    for name in ("resident", "loaded", "stamp", "spec_p", "visits", "last_visit", "count",
+                 "bucket", "hazard"):
+        np.testing.assert_array_equal(getattr(native, name), getattr(ref, name), name)
+    assert (native.hits, native.misses, native.evictions, native.rereads) == \
+        (ref.hits, ref.misses, ref.evictions, ref.rereads)

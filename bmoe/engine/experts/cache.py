@@ -395,10 +395,13 @@ class ExpertCache:
 
     def _victims_numpy(self, over: int, protect_from: int, ok: np.ndarray | None, k: int
                        ) -> tuple[list[int], int]:
+        # scored first, as the C pass is, even with nothing to evict: scoring may remake
+        # `reuse`'s table of chances, and when it is remade decides later choices
+        keep = self._keep_score()
         cand = np.flatnonzero(self._evictable(protect_from) if ok is None else ok)
         if not len(cand):
             return [], 0
-        score = self._keep_score()[cand]       # ranked among the candidates only
+        score = keep[cand]                     # ranked among the candidates only
         stamp = self.stamp.ravel()[cand]
         if k < len(cand):      # the k least kept, and every unit tied with the k-th
             edge = np.partition(score, k - 1)[k - 1]
