@@ -320,12 +320,18 @@ def _layers(rng: np.random.Generator, n_layer: int, n_expert: int) -> Any:
 
 
 def _python_plan(by_layer: Any, layer: int, misses: list[int], victims: list[tuple[int, int]],
-                 split: bool) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+                 split: bool, fresh: list[tuple[int, int]] | None = None
+                 ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """The streamer's Python planning as `plan` specs; with `fresh` (a list) its fresh
+    pages' (address, length) are appended there and left out of the specs, as the C lanes
+    take them (given before the reads are queued)."""
     from types import SimpleNamespace
 
+    from bmoe.engine.experts.reader import FRESH
     from bmoe.engine.experts.streamer import ExpertStreamer
     st = SimpleNamespace(_by_layer=by_layer, _src_unit={},
-                         reader=SimpleNamespace(recycle=True, supply=None))
+                         reader=SimpleNamespace(recycle=True,
+                                                supply=None if fresh is None else object()))
     spare = ExpertStreamer._victim_pages(st, victims)         # type: ignore[arg-type]
     groups = [[e] for e in misses] if split else ([misses] if misses else [])
     specs, taken = [], []
@@ -335,9 +341,12 @@ def _python_plan(by_layer: Any, layer: int, misses: list[int], victims: list[tup
         units = []
         for r in reads:
             b = r.buffer
+            moves = [m for m in r.moves if m[0] != FRESH]
+            if fresh is not None:
+                fresh += [(m[1], m[2]) for m in r.moves if m[0] == FRESH]
             spec += [r.offset, r.length, b.base + b.phase + r.at, b.base, b.base + b.size,
-                     len(r.moves)]
-            for m in r.moves:
+                     len(moves)]
+            for m in moves:
                 spec += m
                 units.append(st._src_unit[m[0]])
         specs.append(spec)
@@ -411,22 +420,31 @@ def test_the_planner_refuses_ids_and_tables_outside_the_model() -> None:
                 buf.close()
 
 
+@pytest.mark.parametrize("give", ["none", "record", "supply"])
 @pytest.mark.parametrize("split", [False, True])
 def test_plan_submit_reads_the_planned_slices_over_the_victims_pages(
-        tmp_path: Path, split: bool) -> None:
+        tmp_path: Path, split: bool, give: str) -> None:
     """`Lanes.plan_submit` queues `plan`'s reads without a spec leaving C: the missed
     slices land in place with the file's bytes, read over the victims' committed pages
     (moved, not faulted in), and each group names the victims whose pages it took, as
-    `plan` does for the same input."""
+    `plan` does for the same input. With `give`, the slices' pages no victim covers are
+    handed to it first, the ranges the streamer's Python planning gives fresh pages (a
+    recorder, or a real huge-page supply)."""
+    from types import SimpleNamespace
+
+    from bmoe.engine.experts.memory import PageSupply
     assert readlanes is not None
     rng = np.random.default_rng(5)
     n_expert, sizes = 6, [(3 * PAGE + 123, 5 * PAGE), (2 * PAGE + 7, 3 * PAGE + 123)]
     rows, starts, off, bufs = [], [0], 777, []
-    for layer_sizes in sizes:
+    by_layer: dict[int, Any] = {}
+    for layer, layer_sizes in enumerate(sizes):
         for s in layer_sizes:
             buf = AnonBuffer(off, n_expert * s)
             bufs.append((off, s, buf))
             rows.append((off, s, buf.base, buf.phase, buf.size))
+            by_layer.setdefault(layer, []).append(
+                (SimpleNamespace(offset=off, slice_bytes=s, layer=layer), buf))
             off += n_expert * s + 1000
         starts.append(len(rows))
     data = rng.integers(0, 256, off, dtype=np.uint8).tobytes()
@@ -444,9 +462,21 @@ def test_plan_submit_reads_the_planned_slices_over_the_victims_pages(
         misses = np.array([1, 2, 4], dtype=np.int64)
         _, want_taken, _ = readlanes.plan(table, starts_a, 0, misses, victims, True, split,
                                           False)
+        want_fresh: list[tuple[int, int]] = []
+        _python_plan(by_layer, 0, misses.tolist(), [tuple(v) for v in victims.tolist()],
+                     split, want_fresh)
         moved = reader.moved_bytes
+        given: list[tuple[int, int]] = []
+        supply = PageSupply() if give == "supply" else None
+
+        def record(addr: int, n: int) -> bool:
+            given.append((addr, n))
+            return supply.give(addr, n) if supply is not None else False
+        extra = () if give == "none" else (record,)
         groups, taken = q.lanes.plan_submit(table, starts_a, 0, misses, victims, True, split,
-                                            3, True)
+                                            3, True, *extra)
+        assert given == ([] if give == "none" else want_fresh)
+        assert want_fresh, "the case gives some slices fresh pages"
         assert len(groups) == (len(misses) if split else 1)
         assert [list(t) for t in taken] == [list(t) for t in want_taken]
         assert sum(len(t) for t in taken) > 0
@@ -465,5 +495,47 @@ def test_plan_submit_reads_the_planned_slices_over_the_victims_pages(
             q.lanes.plan_submit(table, starts_a, 2, misses, none, True, split, 0, True)
         with pytest.raises(ValueError, match="prio"):
             q.lanes.plan_submit(table, starts_a, 0, misses, none, True, split, -1, True)
+        with pytest.raises(TypeError, match="callable"):
+            q.lanes.plan_submit(table, starts_a, 0, misses, none, True, split, 0, True, 5)
+
+        def refuse(addr: int, n: int) -> bool:
+            raise RuntimeError("no pages")
+        with pytest.raises(RuntimeError, match="no pages"):   # nothing queued
+            q.lanes.plan_submit(table, starts_a, 1, np.array([5]), none, True, split, 0,
+                                True, refuse)
+        q.wait(groups, 5)
+        for _, s, buf in bufs[2:]:                           # layer 1's slice 5: never read
+            assert not any(buf.view[buf.phase + 5 * s:buf.phase + 6 * s])
+        if supply is not None:
+            supply.close()
     finally:
         reader.close([b for _, _, b in bufs])
+
+
+def test_fresh_pages_are_given_by_the_caller_before_a_c_lane_reads(
+        data_file: tuple[Path, bytes]) -> None:
+    """With the C lanes a read's `FRESH` moves are given from the reader's huge-page supply
+    as the read is queued (the lane moves only victims' pages); the read then lands in
+    them."""
+    from bmoe.engine.experts.memory import PageSupply
+    from bmoe.engine.experts.reader import FRESH
+    path, data = data_file
+    reader, q = queue_of(path, True)
+    given: list[tuple[int, int]] = []
+
+    class Recorder(PageSupply):
+        def give(self, dst: int, length: int) -> bool:
+            given.append((dst, length))
+            return super().give(dst, length)
+    reader.supply = Recorder()
+    off, n = 123457, 300001
+    buf = AnonBuffer(off, n)
+    try:
+        dst, length = buf.interior(0, n)
+        g = q.submit([Read(off, n, buf, 0, ((FRESH, dst, length),))], 0)
+        assert given == [(dst, length)]
+        assert q.wait([g], 30) and g.error is None
+        assert bytes(buf.view[buf.phase:buf.phase + n]) == data[off:off + n]
+    finally:
+        reader.supply.close()
+        reader.close([buf])

@@ -783,14 +783,15 @@ static PyObject *Lanes_get_n(Lanes *self, void *c) {
     return PyLong_FromLong(self->n_lanes);
 }
 
-static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args);
+static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args, PyObject *kw);
 
 static PyMethodDef Lanes_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))Lanes_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(spec, prio, wake=True) -> Group: queue reads as one group."},
-    {"plan_submit", (PyCFunction)Lanes_plan_submit, METH_VARARGS,
-     "plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake) -> "
-     "(groups, taken): plan's reads queued as groups."},
+    {"plan_submit", (PyCFunction)(void (*)(void))Lanes_plan_submit,
+     METH_VARARGS | METH_KEYWORDS,
+     "plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake, "
+     "give=None) -> (groups, taken): plan's reads queued as groups."},
     {"wake", (PyCFunction)Lanes_wake, METH_NOARGS, "Wake one idle lane if reads are queued."},
     {"promote", (PyCFunction)Lanes_promote, METH_O,
      "Queue a group's reads not yet started again, at priority 0."},
@@ -1022,9 +1023,12 @@ static int vec_push(Vec *x, int64_t v) {
 
 /* What a plan makes: the specs one after the other (`ends[g]`: where spec g ends), the
    taken victims as (layer, expert) pairs (`taken_ends[g]`: where group g's end, in
-   pairs), the (address, length) pairs not freed (without `release`). */
+   pairs), the (address, length) pairs not freed (without `release`), and with `fresh`
+   each slice's interior pages no victim's cover (`fresh_ends[g]`: where group g's end,
+   in pairs), for fresh pages to be given there before the reads are queued. */
 typedef struct {
     Vec spec, ends, taken, taken_ends, released;
+    Vec fresh, fresh_ends;      /* with `fresh`: (address, length) no victim covers */
 } PlanOut;
 
 static void plan_free(PlanOut *o) {
@@ -1033,6 +1037,8 @@ static void plan_free(PlanOut *o) {
     free(o->taken.v);
     free(o->taken_ends.v);
     free(o->released.v);
+    free(o->fresh.v);
+    free(o->fresh_ends.v);
 }
 
 /* The buffers plan and Lanes.plan_submit take, checked. */
@@ -1066,7 +1072,7 @@ static int plan_args(PlanArgs *a, PyObject *table_o, PyObject *starts_o, PyObjec
 
 /* The planning itself (see plan below); 0, or -1 with an exception set. */
 static int plan_core(PlanArgs *a, long long layer, int recycle, int split, int release,
-                     PlanOut *out) {
+                     int fresh, PlanOut *out) {
     SparePool sp = {0};
     Tables t;
     int rc = -1;
@@ -1172,8 +1178,12 @@ static int plan_core(PlanArgs *a, long long layer, int recycle, int split, int r
                         continue;
                     int64_t take, cut;
                     Py_ssize_t k = take_spare_c(&sp, n, &take, &cut);
-                    if (k < 0)
+                    if (k < 0) {
+                        if (fresh && (vec_push(&out->fresh, dst) < 0
+                                      || vec_push(&out->fresh, n) < 0))
+                            goto done;
                         continue;
+                    }
                     Spare *x = &sp.v[k];
                     if (cut) {
                         if (release) {
@@ -1192,6 +1202,9 @@ static int plan_core(PlanArgs *a, long long layer, int recycle, int split, int r
                         || vec_push(&out->taken, x->unit_layer) < 0
                         || vec_push(&out->taken, x->unit_expert) < 0)
                         goto done;
+                    if (fresh && n > take && (vec_push(&out->fresh, dst + take) < 0
+                                              || vec_push(&out->fresh, n - take) < 0))
+                        goto done;
                     nm++;
                 }
                 out->spec.v[head + 5] = nm;
@@ -1199,7 +1212,8 @@ static int plan_core(PlanArgs *a, long long layer, int recycle, int split, int r
             }
         }
         if (vec_push(&out->ends, out->spec.n) < 0
-            || vec_push(&out->taken_ends, out->taken.n / 2) < 0)
+            || vec_push(&out->taken_ends, out->taken.n / 2) < 0
+            || vec_push(&out->fresh_ends, out->fresh.n / 2) < 0)
             goto done;
     }
     /* the victims' pages no miss took */
@@ -1264,7 +1278,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
         return NULL;
     PlanOut o = {0};
     PyObject *result = NULL, *specs = NULL, *taken = NULL, *released = NULL;
-    if (plan_core(&a, layer, recycle, split, release, &o) < 0)
+    if (plan_core(&a, layer, recycle, split, release, 0, &o) < 0)
         goto done;
     Py_ssize_t n_groups = o.ends.n;
     specs = PyList_New(n_groups);
@@ -1306,21 +1320,30 @@ done:
     return result;
 }
 
-/* plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake)
-   -> (groups, taken)
+/* plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake,
+               give=None) -> (groups, taken)
 
    `plan` with the victims' spare pages freed, each spec queued at once as a group (no
    spec leaves C): one group for every miss, or with `split` one per miss. With `split`
    the groups are queued without waking a lane and one lane is woken after the last (the
    lanes wake each other for the rest); without it the group wakes lanes as `submit`
-   does. No misses: no group. */
-static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args) {
-    PyObject *table_o, *starts_o, *misses_o, *victims_o;
+   does. No misses: no group. `give(address, length)`, when given, is called for each
+   slice's interior pages no victim's pages cover, before anything is queued (a page
+   supply puts fresh pages there; an exception from it queues nothing). */
+static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"table", "starts", "layer", "misses", "victims", "recycle",
+                            "split", "prio", "wake", "give", NULL};
+    PyObject *table_o, *starts_o, *misses_o, *victims_o, *give = Py_None;
     long long layer;
     int recycle, split, prio, wake;
-    if (!PyArg_ParseTuple(args, "OOLOOppip", &table_o, &starts_o, &layer, &misses_o,
-                          &victims_o, &recycle, &split, &prio, &wake))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOLOOppip|O", names, &table_o, &starts_o,
+                                     &layer, &misses_o, &victims_o, &recycle, &split, &prio,
+                                     &wake, &give))
         return NULL;
+    if (give != Py_None && !PyCallable_Check(give)) {
+        PyErr_SetString(PyExc_TypeError, "give must be callable or None");
+        return NULL;
+    }
     if (!self->sync_ok) {
         PyErr_SetString(PyExc_RuntimeError, "Lanes is not set up");
         return NULL;
@@ -1334,8 +1357,15 @@ static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args) {
         return NULL;
     PlanOut o = {0};
     PyObject *result = NULL, *groups = NULL, *taken = NULL;
-    if (plan_core(&a, layer, recycle, split, 1, &o) < 0)
+    if (plan_core(&a, layer, recycle, split, 1, give != Py_None, &o) < 0)
         goto done;
+    for (Py_ssize_t q = 0; give != Py_None && q < o.fresh.n / 2; q++) {
+        PyObject *r = PyObject_CallFunction(give, "LL", (long long)o.fresh.v[2 * q],
+                                            (long long)o.fresh.v[2 * q + 1]);
+        if (!r)
+            goto done;
+        Py_DECREF(r);
+    }
     Py_ssize_t n_groups = o.ends.n;
     groups = PyList_New(n_groups);
     taken = PyList_New(n_groups);

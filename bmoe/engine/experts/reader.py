@@ -155,9 +155,10 @@ class ExpertReader:
 
     def start_queue(self) -> LaneQueue | NativeLaneQueue:
         """Switch to queued lanes (read-ahead): `lanes` threads on one priority queue, in C
-        where it is built (not with the huge-page supply, whose moves are Python's)."""
+        where it is built (a huge-page supply's fresh pages are then given by the caller
+        as it queues the reads, not by the lane)."""
         if self.queue is None:
-            native = native_lanes() if self.supply is None else None
+            native = native_lanes()
             self.queue = (NativeLaneQueue(self, self.lanes, native) if native is not None
                           else LaneQueue(self, self.lanes))
         return self.queue
@@ -670,15 +671,21 @@ class NativeLaneQueue:
         return float(self.lanes.busy_s)
 
     def submit(self, reads: list[Read], prio: int, wake: bool = True) -> Any:
-        """Queue `reads` as one group at `prio` (see LaneQueue.submit)."""
+        """Queue `reads` as one group at `prio` (see LaneQueue.submit). Fresh pages
+        (`FRESH` moves) are given from the reader's supply here, before the reads are
+        queued; the victims' pages are moved by the lane."""
         spec: list[int] = []
+        supply = self._reader.supply
         for r in self._reader.split(reads):
             buf = r.buffer
+            moves = [m for m in r.moves if m[0] != FRESH]
+            if supply is not None:
+                for m in r.moves:
+                    if m[0] == FRESH:
+                        supply.give(m[1], m[2])
             spec += (r.offset, r.length, buf.base + buf.phase + r.at, buf.base,
-                     buf.base + buf.size, len(r.moves))
-            for m in r.moves:
-                if m[0] == FRESH:
-                    raise ValueError("the C lanes take no fresh pages (no huge-page supply)")
+                     buf.base + buf.size, len(moves))
+            for m in moves:
                 spec += m
         return self.lanes.submit(spec, prio, wake)
 

@@ -375,7 +375,7 @@ class ExpertStreamer:
         `_reads_for` in Python, the same reads)."""
         q = self.queue
         return (isinstance(q, NativeLaneQueue) and self.reader is not None
-                and not self.reader.chunk and self.reader.supply is None)
+                and not self.reader.chunk)
 
     def _plan_submit(self, layer: int, misses: np.ndarray, victims: list[tuple[int, int]],
                      split: bool, prio: int) -> tuple[list[QueuedGroup], list[Any]]:
@@ -384,10 +384,11 @@ class ExpertStreamer:
         whose pages its reads take."""
         assert self.reader is not None and isinstance(self.queue, NativeLaneQueue)
         v = np.array(victims, dtype=np.int64).reshape(-1, 2)
+        supply = self.reader.supply       # fresh pages where no victim's are spare
         groups, taken = self.queue.lanes.plan_submit(
             self._plan_table, self._plan_starts, layer,
             np.ascontiguousarray(misses, dtype=np.int64), v, self.reader.recycle, split,
-            prio, True)
+            prio, True, supply.give if supply is not None and supply.enabled else None)
         return groups, taken
 
     def _start_prefetch(self) -> None:
