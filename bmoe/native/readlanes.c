@@ -432,19 +432,27 @@ static int sort_desc(const void *a, const void *b) {
     return (x->len < y->len) - (x->len > y->len);
 }
 
+/* Whether reads can be queued at `prio` (else an exception is set): checked before a
+   plan frees any page. */
+static int queue_ok(Lanes *self, int prio) {
+    if (!self->sync_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "Lanes is not set up");
+        return 0;
+    }
+    if (prio < 0) {
+        PyErr_SetString(PyExc_ValueError, "prio must be 0 or more");
+        return 0;
+    }
+    return 1;
+}
+
 /* submit(spec, prio, wake=True) -> Group. `spec` is a flat sequence of ints, per read:
    offset, length, address, buffer start, buffer end, number of moves, then (src, dst,
    length) per move. */
 static PyObject *submit_core(Lanes *self, const int64_t *spec, Py_ssize_t n, int prio,
                              int wake) {
-    if (!self->sync_ok) {
-        PyErr_SetString(PyExc_RuntimeError, "Lanes is not set up");
+    if (!queue_ok(self, prio))
         return NULL;
-    }
-    if (prio < 0) {
-        PyErr_SetString(PyExc_ValueError, "prio must be 0 or more");
-        return NULL;
-    }
     /* count reads and moves first */
     Py_ssize_t i = 0, n_items = 0, n_moves = 0;
     int bad = 0;
@@ -1344,14 +1352,8 @@ static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "give must be callable or None");
         return NULL;
     }
-    if (!self->sync_ok) {
-        PyErr_SetString(PyExc_RuntimeError, "Lanes is not set up");
+    if (!queue_ok(self, prio))
         return NULL;
-    }
-    if (prio < 0) {
-        PyErr_SetString(PyExc_ValueError, "prio must be 0 or more");
-        return NULL;
-    }
     PlanArgs a;
     if (plan_args(&a, table_o, starts_o, misses_o, victims_o) < 0)
         return NULL;
