@@ -1180,6 +1180,44 @@ def test_page_supply_gives_zeroed_contiguous_pages() -> None:
     assert not supply.give(buf.base, PAGE)        # closed: gives nothing
 
 
+def test_page_supply_keeps_the_pages_handed_back_for_the_next_slice() -> None:
+    """A victim's pages no miss took (`take`) are kept, not freed, up to `park_limit`, and
+    are what the next `give` hands out, before any fresh page: the same physical pages
+    with what was in them (a read overwrites it), so a cache whose units differ in size
+    by layer stops faulting in fresh pages once it is full."""
+    from bmoe.engine.experts.memory import PAGE, AnonBuffer, PageSupply
+    supply = PageSupply(region=8 * MIB, park_limit=4 * MIB)
+    buf = AnonBuffer(0, 16 * MIB)
+    a = buf.array
+    try:
+        a[:3 * MIB] = 5                                     # committed, recognisable
+        a[MIB:MIB + PAGE] = 6
+        runs_before = physical_runs(buf.base, MIB)
+        supply.take(buf.base, MIB)
+        supply.take(buf.base + MIB, 2 * MIB)
+        assert supply.parked_bytes == 3 * MIB
+        assert not a[:3 * MIB].any()                       # moved away: nothing left there
+        supply.take(buf.base + 3 * MIB, 2 * MIB)           # beyond the limit: freed
+        assert supply.parked_bytes == 3 * MIB
+        # one give spans both kept ranges, last kept first
+        assert supply.give(buf.base + 8 * MIB, 3 * MIB)
+        got = a[8 * MIB:11 * MIB]
+        assert (got[:2 * MIB] != 0).all() and (got[2 * MIB:] == 5).all()
+        assert (got[:PAGE] == 6).all()                     # the second range's own pages
+        assert supply.reused_bytes == 3 * MIB and supply.parked_bytes == 0
+        if runs_before is not None:                        # root: the same physical pages
+            assert physical_runs(buf.base + 10 * MIB, MIB) == runs_before
+        # the parking space is whole again: one free range
+        assert len(supply._park_free) == 1
+        if not supply.enabled:                             # no huge pages: no fresh ones
+            assert not supply.give(buf.base + 12 * MIB, PAGE)
+        del got
+    finally:
+        del a
+        supply.close()
+        buf.close()
+
+
 @pytest.mark.parametrize("plain_faster", [True, False])
 def test_page_supply_turns_itself_off_where_huge_pages_fault_in_slower(
         monkeypatch: pytest.MonkeyPatch, plain_faster: bool) -> None:

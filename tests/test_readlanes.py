@@ -459,23 +459,35 @@ def test_plan_submit_reads_the_planned_slices_over_the_victims_pages(
                                             none, True, False, 0, True)
         assert len(groups) == 1 and taken == [[]] and q.wait(groups, 30)
         victims = np.array([[1, 0], [1, 2], [1, 3]], dtype=np.int64)
-        misses = np.array([1, 2, 4], dtype=np.int64)
-        _, want_taken, _ = readlanes.plan(table, starts_a, 0, misses, victims, True, split,
-                                          False)
+        misses = np.array([1, 4], dtype=np.int64)      # one victim more than misses
+        _, want_taken, want_released = readlanes.plan(table, starts_a, 0, misses, victims,
+                                                      True, split, False)
+        assert want_released, "the case leaves some victims' pages over"
         want_fresh: list[tuple[int, int]] = []
         _python_plan(by_layer, 0, misses.tolist(), [tuple(v) for v in victims.tolist()],
                      split, want_fresh)
         moved = reader.moved_bytes
         given: list[tuple[int, int]] = []
-        supply = PageSupply() if give == "supply" else None
+        kept: list[tuple[int, int]] = []
+        supply = PageSupply(park_limit=64 * PAGE) if give == "supply" else None
 
         def record(addr: int, n: int) -> bool:
             given.append((addr, n))
             return supply.give(addr, n) if supply is not None else False
-        extra = () if give == "none" else (record,)
+
+        def keep(addr: int, n: int) -> None:
+            kept.append((addr, n))
+            if supply is not None:
+                supply.take(addr, n)
+        extra = () if give == "none" else (record, keep)
         groups, taken = q.lanes.plan_submit(table, starts_a, 0, misses, victims, True, split,
                                             3, True, *extra)
         assert given == ([] if give == "none" else want_fresh)
+        # the pages no miss keeps go to `take` (before any `give`), or are freed
+        assert kept == ([] if give == "none" else [tuple(r) for r in want_released])
+        if supply is not None:        # what it kept went out again to the fresh ranges
+            assert supply.reused_bytes > 0 and supply.parked_bytes == max(
+                0, sum(n for _, n in want_released) - supply.reused_bytes)
         assert want_fresh, "the case gives some slices fresh pages"
         assert len(groups) == (len(misses) if split else 1)
         assert [list(t) for t in taken] == [list(t) for t in want_taken]
@@ -497,6 +509,9 @@ def test_plan_submit_reads_the_planned_slices_over_the_victims_pages(
             q.lanes.plan_submit(table, starts_a, 0, misses, none, True, split, -1, True)
         with pytest.raises(TypeError, match="callable"):
             q.lanes.plan_submit(table, starts_a, 0, misses, none, True, split, 0, True, 5)
+        with pytest.raises(TypeError, match="callable"):
+            q.lanes.plan_submit(table, starts_a, 0, misses, none, True, split, 0, True,
+                                None, 5)
 
         def refuse(addr: int, n: int) -> bool:
             raise RuntimeError("no pages")

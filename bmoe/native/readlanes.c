@@ -22,6 +22,7 @@
    exceptions by the `on_error` callable the queue was made with (reader.py). */
 
 #define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
 #include <Python.h>
 
 #include <errno.h>
@@ -268,6 +269,7 @@ static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
 
 static void *lane_main(void *arg) {
     Lanes *q = arg;
+    pthread_setname_np(pthread_self(), "bmoe-read");   /* for top -H, ps -L, perf */
     pthread_mutex_lock(&q->mu);
     for (;;) {
         while (!q->n_heap && !q->closed) {
@@ -799,7 +801,7 @@ static PyMethodDef Lanes_methods[] = {
     {"plan_submit", (PyCFunction)(void (*)(void))Lanes_plan_submit,
      METH_VARARGS | METH_KEYWORDS,
      "plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake, "
-     "give=None) -> (groups, taken): plan's reads queued as groups."},
+     "give=None, take=None) -> (groups, taken): plan's reads queued as groups."},
     {"wake", (PyCFunction)Lanes_wake, METH_NOARGS, "Wake one idle lane if reads are queued."},
     {"promote", (PyCFunction)Lanes_promote, METH_O,
      "Queue a group's reads not yet started again, at priority 0."},
@@ -1329,7 +1331,7 @@ done:
 }
 
 /* plan_submit(table, starts, layer, misses, victims, recycle, split, prio, wake,
-               give=None) -> (groups, taken)
+               give=None, take=None) -> (groups, taken)
 
    `plan` with the victims' spare pages freed, each spec queued at once as a group (no
    spec leaves C): one group for every miss, or with `split` one per miss. With `split`
@@ -1337,19 +1339,23 @@ done:
    lanes wake each other for the rest); without it the group wakes lanes as `submit`
    does. No misses: no group. `give(address, length)`, when given, is called for each
    slice's interior pages no victim's pages cover, before anything is queued (a page
-   supply puts fresh pages there; an exception from it queues nothing). */
+   supply puts fresh pages there; an exception from it queues nothing). `take(address,
+   length)`, when given, receives the victims' pages no miss keeps instead of their being
+   freed, before any `give` (a page supply keeps them for later slices; where it raises,
+   they are freed). */
 static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"table", "starts", "layer", "misses", "victims", "recycle",
-                            "split", "prio", "wake", "give", NULL};
-    PyObject *table_o, *starts_o, *misses_o, *victims_o, *give = Py_None;
+                            "split", "prio", "wake", "give", "take", NULL};
+    PyObject *table_o, *starts_o, *misses_o, *victims_o, *give = Py_None, *take = Py_None;
     long long layer;
     int recycle, split, prio, wake;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOLOOppip|O", names, &table_o, &starts_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOLOOppip|OO", names, &table_o, &starts_o,
                                      &layer, &misses_o, &victims_o, &recycle, &split, &prio,
-                                     &wake, &give))
+                                     &wake, &give, &take))
         return NULL;
-    if (give != Py_None && !PyCallable_Check(give)) {
-        PyErr_SetString(PyExc_TypeError, "give must be callable or None");
+    if ((give != Py_None && !PyCallable_Check(give))
+        || (take != Py_None && !PyCallable_Check(take))) {
+        PyErr_SetString(PyExc_TypeError, "give and take must be callable or None");
         return NULL;
     }
     if (!queue_ok(self, prio))
@@ -1359,8 +1365,23 @@ static PyObject *Lanes_plan_submit(Lanes *self, PyObject *args, PyObject *kw) {
         return NULL;
     PlanOut o = {0};
     PyObject *result = NULL, *groups = NULL, *taken = NULL;
-    if (plan_core(&a, layer, recycle, split, 1, give != Py_None, &o) < 0)
+    if (plan_core(&a, layer, recycle, split, take == Py_None, give != Py_None, &o) < 0)
         goto done;
+    /* the victims' pages no miss keeps go to `take` (they may come back through `give`
+       below); where it fails they are freed, as without it */
+    for (Py_ssize_t q = 0; take != Py_None && q < o.released.n / 2; q++) {
+        int64_t addr = o.released.v[2 * q], n = o.released.v[2 * q + 1];
+        PyObject *r = PyObject_CallFunction(take, "LL", (long long)addr, (long long)n);
+        if (r) {
+            Py_DECREF(r);
+            continue;
+        }
+        PyErr_Clear();
+        if (madvise((void *)(intptr_t)addr, (size_t)n, MADV_DONTNEED) != 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
     for (Py_ssize_t q = 0; give != Py_None && q < o.fresh.n / 2; q++) {
         PyObject *r = PyObject_CallFunction(give, "LL", (long long)o.fresh.v[2 * q],
                                             (long long)o.fresh.v[2 * q + 1]);

@@ -280,7 +280,10 @@ class ExpertStreamer:
         # 2 MiB blocks back to its host, each is backed anew: ~3 ms per MiB measured).
         if (self.reader.recycle and self.values.get("huge-pages", False)
                 and self.budget.mode != "all" and self.budget.bytes < self.layout.expert_bytes):
-            self.reader.supply = PageSupply()
+            # a victim's pages beyond a miss's (units differ by layer) are kept for the
+            # next miss that needs more: fresh huge pages are dear, recycled ones free
+            self.reader.supply = PageSupply(park_limit=2 * max(
+                (self.layout.unit_bytes(i) for i in self.layout.layers), default=0))
         if self.budget.bytes < self.layout.expert_bytes and self.reader.supply is None:
             self.load_info["page_folios"] = folio_note()
         if self.budget.mode == "all":
@@ -388,7 +391,8 @@ class ExpertStreamer:
         groups, taken = self.queue.lanes.plan_submit(
             self._plan_table, self._plan_starts, layer,
             np.ascontiguousarray(misses, dtype=np.int64), v, self.reader.recycle, split,
-            prio, True, supply.give if supply is not None and supply.enabled else None)
+            prio, True, supply.give if supply is not None else None,
+            supply.take if supply is not None else None)
         return groups, taken
 
     def _start_prefetch(self) -> None:
