@@ -71,6 +71,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "moe-wide": make_model(d / "moe-wide.gguf", n_layer=2, n_embd=512, n_expert=8,
                                n_expert_used=4, n_ff_exp=512, dtype="f16", residual_scale=0.3,
                                seed=5),
+        # slices of 500,000 bytes: their interiors are 122 or 123 pages, by their phase
+        "moe-odd": make_model(d / "moe-odd.gguf", n_layer=2, n_embd=500, n_expert=8,
+                              n_expert_used=4, n_ff_exp=500, dtype="f16", residual_scale=0.3,
+                              seed=6),
     }
 
 
@@ -1337,6 +1341,25 @@ def test_huge_pages_match_and_reads_land_in_contiguous_pages(
     assert streamed(models["moe-wide"], off, **{k: v for k, v in values.items()
                                                 if k != "huge-pages"}) \
         == resident(models, "moe-wide")                     # off unless asked for
+
+
+def test_a_turning_cache_keeps_its_spare_pages_and_matches(models: dict[str, Path]) -> None:
+    """Huge pages off (the default): a victim's pages a miss does not take (its interior is
+    a page longer, by its phase in the file) are kept by the reader's supply and handed to
+    the next miss that needs more, not freed and faulted in again; the tokens are the
+    resident model's."""
+    def check(st: ExpertStreamer) -> None:
+        if st.queue is not None:
+            assert st.queue.wait(list(st._inflight.values()), 30)
+        s = st.summary()
+        assert s["huge_pages"] is False and s["huge_pages_note"] == "off"
+        assert st.reader is not None and st.reader.supply is not None
+        assert st.stats()["evictions"] > 0 and s["pages_reused_mib"] > 0
+        assert st.stats()["fresh_bytes"] == 0            # no huge page given
+        assert st.reader.supply.parked_bytes <= st.reader.supply.park_limit
+
+    values = {"cache-mb": 12, "prefetch": 1, "overlap": True}
+    assert streamed(models["moe-odd"], check, **values) == resident(models, "moe-odd")
 
 
 @pytest.mark.parametrize("values", [{"load-all": True, "huge-pages": True},

@@ -359,7 +359,8 @@ class PageSupply:
         self.region = max(HUGE, region // HUGE * HUGE)
         self.enabled = enabled and thp_mode() in ("always", "madvise")
         self.given_bytes = 0
-        self.note = "on" if self.enabled else "off: the kernel has no transparent huge pages"
+        self.note = ("on" if self.enabled else "off: the kernel has no transparent huge pages"
+                     if enabled else "off")
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._array: np.ndarray | None = None
