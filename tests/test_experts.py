@@ -27,6 +27,8 @@ import gguf
 import llama_cpp as lc
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from bmoe.engine.errors import EngineError, LoadError
 from bmoe.engine.experts import ExpertStreamer, evalcb, ggml, nopopulate, streamer_factory
@@ -1341,6 +1343,55 @@ def test_huge_pages_match_and_reads_land_in_contiguous_pages(
     assert streamed(models["moe-wide"], off, **{k: v for k, v in values.items()
                                                 if k != "huge-pages"}) \
         == resident(models, "moe-wide")                     # off unless asked for
+
+
+@settings(max_examples=60, deadline=None)
+@given(hs.lists(hs.tuples(hs.sampled_from(["take", "give"]), hs.integers(0, 15),
+                          hs.integers(1, 6)), min_size=1, max_size=40),
+       hs.integers(0, 12))
+def test_kept_pages_carry_their_bytes_and_the_parking_space_adds_up(
+        ops: list[tuple[str, int, int]], limit_pages: int) -> None:
+    """Any run of `take` and `give` over a buffer's pages: what is kept stays within the
+    limit, every byte `give` hands out from kept pages is a byte some `take` kept (pages
+    move, nothing is copied or zeroed), and the parking mapping is always exactly its free
+    ranges plus the kept ones."""
+    from bmoe.engine.experts.memory import PAGE, AnonBuffer, PageSupply
+    supply = PageSupply(enabled=False, park_limit=limit_pages * PAGE)
+    buf = AnonBuffer(0, 16 * 6 * PAGE)
+    a = buf.array
+    try:
+        stamp = 1
+        for op, slot, pages in ops:
+            at, n = slot * 6 * PAGE, pages * PAGE
+            if op == "take":
+                a[at:at + n:PAGE] = stamp         # committed, marked by which take
+                before = supply.parked_bytes
+                supply.take(buf.base + at, n)
+                assert not a[at:at + n].any()      # moved away, or freed
+                kept = supply.parked_bytes - before
+                assert kept in (0, n)
+                stamp = stamp % 250 + 1
+            else:
+                a[at:at + n] = 0
+                reused = supply.reused_bytes
+                whole = supply.give(buf.base + at, n)
+                got = supply.reused_bytes - reused
+                assert whole == (got == n)
+                assert (a[at:at + got:PAGE] != 0).all()    # each page came from a take
+                assert not a[at + got:at + n].any()
+            assert 0 <= supply.parked_bytes <= supply.park_limit
+            assert supply.parked_bytes == sum(n for _, n in supply.parked)
+            if supply._park is not None:
+                spans = sorted(supply._park_free + supply.parked)
+                pos = supply._park_base
+                for start, length in spans:
+                    assert start == pos and length > 0
+                    pos += length
+                assert pos == supply._park_base + len(supply._park)
+    finally:
+        del a
+        supply.close()
+        buf.close()
 
 
 def test_a_turning_cache_keeps_its_spare_pages_and_matches(models: dict[str, Path]) -> None:
