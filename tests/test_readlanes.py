@@ -117,6 +117,55 @@ def test_a_direct_read_refused_midway_falls_back(data_file: tuple[Path, bytes]) 
         reader.close([b])
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_exact_reads_write_their_slices_and_nothing_around_them(
+        data_file: tuple[Path, bytes], direct: bool) -> None:
+    """With `exact` (expert slots: a slice's neighbours in memory are other experts than
+    its neighbours in the file), a read writes its slice's bytes and not one byte of the
+    partial pages around it; without it a direct read writes the page-aligned superset.
+    Slices of every shape: whole pages inside, none, the file's end."""
+    path, data = data_file
+    reader, q = queue_of(path, direct)
+    s, base_off = 3 * PAGE, 777       # slots of whole pages (as expert slots need), phase 777
+    buf = AnonBuffer(base_off, 5 * s)
+    try:
+        for exact in (True, False):
+            buf.array[:] = 0xEE
+            q.lanes.exact = exact
+            assert q.lanes.exact is exact
+            # file slice e into slot `slot` (not its own): 2 -> 0, 0 -> 3, 4 -> 1
+            moves = [(2, 0), (0, 3), (4, 1)]
+            groups = [q.submit([Read(base_off + e * s, s, buf, slot * s)], 0)
+                      for e, slot in moves]
+            assert q.wait(groups, 30) and all(g.error is None for g in groups)
+            got = bytes(buf.view[buf.phase:buf.phase + 5 * s])
+            right = all(got[slot * s:(slot + 1) * s] == data[base_off + e * s:
+                                                             base_off + (e + 1) * s]
+                        for e, slot in moves)
+            untouched = [got[i * s:(i + 1) * s] for i in (2, 4)]
+            head = bytes(buf.view[:buf.phase])
+            clean = all(u == b"\xee" * s for u in untouched) and head == b"\xee" * buf.phase
+            if exact or not direct:
+                assert right and clean
+            else:                  # the supersets wrote their neighbours' bytes over them
+                assert not right and not clean
+        q.lanes.exact = True                      # odd slices: tiny, the file's end
+        odd = [AnonBuffer(off, n) for off, n in slices()]
+        groups = [q.submit([Read(off, n, b, 0)], 0)
+                  for (off, n), b in zip(slices(), odd, strict=True)]
+        assert q.wait(groups, 30)
+        for (off, n), b, g in zip(slices(), odd, groups, strict=True):
+            assert g.error is None
+            assert bytes(b.view[b.phase:b.phase + n]) == data[off:off + n]
+        os.truncate(path, 2 * s)                  # a file cut short: the reader's error
+        g = q.submit([Read(base_off + 2 * s, s, buf, 0)], 0)
+        assert q.wait([g], 30)
+        assert isinstance(g.error, ReadError) and "ends early" in str(g.error)
+        reader.close(odd)
+    finally:
+        reader.close([buf])
+
+
 def test_a_file_cut_short_is_the_readers_error(data_file: tuple[Path, bytes]) -> None:
     path, _ = data_file
     reader, q = queue_of(path, True)
@@ -329,7 +378,7 @@ def _python_plan(by_layer: Any, layer: int, misses: list[int], victims: list[tup
 
     from bmoe.engine.experts.reader import FRESH
     from bmoe.engine.experts.streamer import ExpertStreamer
-    st = SimpleNamespace(_by_layer=by_layer, _src_unit={},
+    st = SimpleNamespace(_by_layer=by_layer, _src_unit={}, _perm=None,
                          reader=SimpleNamespace(recycle=True,
                                                 supply=None if fresh is None else object()))
     spare = ExpertStreamer._victim_pages(st, victims)         # type: ignore[arg-type]

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -95,6 +96,7 @@ typedef struct {
     int use_direct;       /* atomics: a lane may clear them */
     int refused_errno;
     int recycle;
+    int exact;            /* write only the slice's own bytes (see read_exact) */
     int64_t moved_bytes;
     double busy_s;        /* summed lane time spent on reads (under mu) */
     PyObject *on_error;
@@ -189,6 +191,69 @@ static void fail(int kind, int err, int64_t at, int *kind_out, int *err_out,
     *at_out = at;
 }
 
+/* A direct read that writes the slice's own bytes and nothing around them, for buffers
+   whose neighbouring slices hold other experts (expert slots): the whole pages inside
+   the slice land in place and the partial first and last pages in a scratch pair of
+   pages, from which only the slice's bytes are copied; one preadv. Returns the bytes
+   read, 0 when the slice has no whole page (the caller reads it buffered), or -1 with
+   errno set (EINVAL: the kernel refuses direct reads here). */
+static int64_t read_exact(Lanes *q, Item *it) {
+    static __thread char *scratch = NULL;     /* two pages per lane, for good */
+    int64_t page = q->page, off = it->off, end = it->off + it->len;
+    int64_t lo = off / page * page;
+    int64_t a = off == lo ? off : lo + page;  /* the whole pages: [a, b) */
+    int64_t b = end / page * page;
+    if (b <= a)
+        return 0;
+    if (!scratch && posix_memalign((void **)&scratch, (size_t)page, (size_t)(2 * page))) {
+        scratch = NULL;
+        errno = ENOMEM;
+        return -1;
+    }
+    char *dst = (char *)(intptr_t)it->addr;
+    struct iovec iov[3];
+    int n = 0;
+    if (a != off)
+        iov[n++] = (struct iovec){scratch, (size_t)page};
+    iov[n++] = (struct iovec){dst + (a - off), (size_t)(b - a)};
+    if (end != b)
+        iov[n++] = (struct iovec){scratch + page, (size_t)page};
+    int64_t first = a != off ? lo : a, got = 0, need = end - first;
+    while (got < need) {
+        /* after a short read, the rest one vector at a time (rare: the file's end) */
+        ssize_t r;
+        if (got == 0) {
+            r = preadv(q->direct_fd, iov, n, first);
+        } else {
+            int64_t skip = got;
+            int i = 0;
+            while (i < n && skip >= (int64_t)iov[i].iov_len)
+                skip -= (int64_t)iov[i++].iov_len;
+            if (i == n || skip % page)
+                break;
+            r = pread(q->direct_fd, (char *)iov[i].iov_base + skip, iov[i].iov_len - (size_t)skip,
+                      first + got);
+        }
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        if (r == 0)
+            break;
+        got += r;
+    }
+    if (got < need) {
+        errno = 0;
+        return -2 - (first + got);            /* short: where the file ended */
+    }
+    if (a != off)
+        memcpy(dst, scratch + (off - lo), (size_t)(a - off));
+    if (end != b)
+        memcpy(dst + (b - off), scratch + page, (size_t)(end - b));
+    return it->len;
+}
+
 /* The item's page moves and read, without the lock. Returns the bytes read; on failure
    sets kind (and err, at). */
 static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
@@ -209,7 +274,26 @@ static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
             return 0;
         }
     }
-    if (__atomic_load_n(&q->use_direct, __ATOMIC_RELAXED)) {
+    if (__atomic_load_n(&q->exact, __ATOMIC_RELAXED)
+        && __atomic_load_n(&q->use_direct, __ATOMIC_RELAXED)) {
+        int64_t r = read_exact(q, it);
+        if (r > 0)
+            return r;
+        if (r <= -2) {
+            fail(KIND_SHORT, 0, -2 - r, kind, err, at);
+            return 0;
+        }
+        if (r == -1 && errno == EINVAL) {
+            int expected = 0;
+            __atomic_compare_exchange_n(&q->refused_errno, &expected, EINVAL, 0,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+            __atomic_store_n(&q->use_direct, 0, __ATOMIC_RELAXED);
+        } else if (r == -1) {
+            fail(KIND_READ, errno, it->off, kind, err, at);
+            return 0;
+        }
+        /* r == 0 (no whole page) or refused: the buffered read below is exact */
+    } else if (__atomic_load_n(&q->use_direct, __ATOMIC_RELAXED)) {
         int64_t page = q->page;
         int64_t lo = it->off / page * page;
         int64_t end = it->off + it->len;
@@ -778,6 +862,24 @@ static int Lanes_set_recycle(Lanes *self, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *Lanes_get_exact(Lanes *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(__atomic_load_n(&self->exact, __ATOMIC_RELAXED));
+}
+
+static int Lanes_set_exact(Lanes *self, PyObject *v, void *c) {
+    (void)c;
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "exact cannot be deleted");
+        return -1;
+    }
+    int on = PyObject_IsTrue(v);
+    if (on < 0)
+        return -1;
+    __atomic_store_n(&self->exact, on, __ATOMIC_RELAXED);
+    return 0;
+}
+
 static PyObject *Lanes_get_direct(Lanes *self, void *c) {
     (void)c;
     return PyBool_FromLong(__atomic_load_n(&self->use_direct, __ATOMIC_RELAXED));
@@ -817,6 +919,9 @@ static PyGetSetDef Lanes_getset[] = {
     {"moved_bytes", (getter)Lanes_get_moved, NULL, "bytes of pages moved", NULL},
     {"recycle", (getter)Lanes_get_recycle, (setter)Lanes_set_recycle,
      "page moves on (a failed move turns them off)", NULL},
+    {"exact", (getter)Lanes_get_exact, (setter)Lanes_set_exact,
+     "reads write only their slices' bytes, not the rest of the first and last pages "
+     "(for buffers whose slices hold other experts than the file's neighbours)", NULL},
     {"use_direct", (getter)Lanes_get_direct, NULL, "direct reads on", NULL},
     {"refused_errno", (getter)Lanes_get_refused, NULL,
      "the errno of the direct read the kernel refused (0: none)", NULL},
