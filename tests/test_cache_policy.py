@@ -373,3 +373,48 @@ def test_the_one_call_admissions_are_the_numpy_ones(data: st.DataObject) -> None
         np.testing.assert_array_equal(getattr(native, name), getattr(ref, name), name)
     assert (native.hits, native.misses, native.evictions, native.rereads) == \
         (ref.hits, ref.misses, ref.evictions, ref.rereads)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 11), min_size=1,
+                                                      max_size=3, unique=True),
+                          st.booleans()), min_size=1, max_size=80),
+       st.sampled_from(["c", "python"]))
+def test_own_layer_admissions_keep_each_layer_at_its_share(
+        steps: list[tuple[int, list[int], bool]], pick: str) -> None:
+    """`admit_own` (expert slots): once a layer holds its share, a token's misses evict
+    only that layer's units, as many as they are (the miss is read into the victim's
+    room); below it, room comes from the layers above theirs; the budget always holds,
+    the units just admitted stay, and the C choice and numpy's agree on this too."""
+    import os
+
+    from bmoe.engine.experts.cache import PICK_ENV
+    n_layer, n_expert, share = 4, 12, 4
+    old = os.environ.get(PICK_ENV)
+    os.environ[PICK_ENV] = pick
+    try:
+        c = ExpertCache(np.full(n_layer, 3), n_expert=n_expert, budget=3 * share * n_layer,
+                        policy="reuse")
+    finally:
+        if old is None:
+            os.environ.pop(PICK_ENV, None)
+        else:
+            os.environ[PICK_ENV] = old
+    for layer, ids, spec in steps:
+        before = c.resident.sum(axis=1)
+        a = np.array(ids, dtype=np.int64)
+        hits = int(c.resident[layer, a].sum())
+        adm = c.admit_own(layer, a, share, spec)
+        after = c.resident.sum(axis=1)
+        assert c.resident_bytes == 3 * int(after.sum()) <= c.budget
+        if not spec:
+            assert c.resident[layer, a].all()          # what was asked for is in
+        # at its share, with as many units it may evict as misses (none pinned here)
+        if before[layer] >= share and before[layer] - hits >= len(a) - hits and len(
+                adm.misses):
+            assert all(vl == layer for vl, _ in adm.victims)
+            assert after[layer] == before[layer]       # each miss took a victim's room
+        elif len(adm.victims):
+            over = [vl for vl in range(n_layer) if vl != layer and before[vl] > share]
+            if sum(int(before[vl]) for vl in over) >= len(a):
+                assert all(vl in over for vl, _ in adm.victims)

@@ -33,6 +33,7 @@ from hypothesis import strategies as hs
 from bmoe.engine.errors import EngineError, LoadError
 from bmoe.engine.experts import ExpertStreamer, evalcb, ggml, nopopulate, streamer_factory
 from bmoe.engine.experts import reader as reader_mod
+from bmoe.engine.experts import streamer as streamer_mod
 from bmoe.engine.experts.budget import MIB, resolve
 from bmoe.engine.experts.cache import ExpertCache, NoCache
 from bmoe.engine.experts.layout import read_layout
@@ -1319,14 +1320,16 @@ def test_huge_pages_match_and_reads_land_in_contiguous_pages(
         if not thp_on():
             return
         assert stats["fresh_bytes"] > 0 and s["huge_pages_mib"] > 0
-        # every resident slice's interior pages: present, and few physical runs
+        # every resident slice's interior pages (in its slot, with expert slots on):
+        # present, and few physical runs
         runs = []
         for layer, tensors in st._by_layer.items():
             for t, buf in tensors:
                 for e in range(t.n_expert):
                     if not st.cache.resident[layer, e]:
                         continue
-                    addr, n = buf.interior(e * t.slice_bytes, (e + 1) * t.slice_bytes)
+                    at = int(st._perm[layer, e]) if st._perm is not None else e
+                    addr, n = buf.interior(at * t.slice_bytes, (at + 1) * t.slice_bytes)
                     if n:
                         runs.append(physical_runs(addr, n))
         assert runs
@@ -1445,3 +1448,53 @@ def test_a_miss_takes_a_victims_pages_of_another_length() -> None:
     assert take_spare(spare, 9 * page) == (at + 32 * page, 4 * page)   # the largest smaller
     assert take_spare(spare, 8 * page) is None               # nothing left
     buf.close()
+
+
+@pytest.mark.parametrize("name,values", [
+    ("moe", {"cache-mb": 2, "prefetch": 1, "overlap": True}),
+    ("moe-f16", {"cache-mb": 1, "prefetch": 2}),
+    ("moe-wide", {"cache-mb": 16, "prefetch": 1, "overlap": True}),
+], ids=["f32-overlap", "f16-wait", "wide-overlap"])
+def test_expert_slots_read_misses_into_their_victims_room_and_match(
+        models: dict[str, Path], name: str, values: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert slots (`BMOE_EXPERT_SLOTS=1`): a missed expert is read into the room of a
+    victim of its own layer, no page moved, and the routing the expert matmuls read is
+    rewritten to the slots (the router's probabilities permuted to match). Prompt
+    batches take room across layers. Two turns, the second reusing the first's KV: the
+    same greedy tokens and bit-identical logits as the resident model."""
+    monkeypatch.setenv(streamer_mod.SLOTS_ENV, "1")
+
+    def check(st: ExpertStreamer) -> None:
+        if st.queue is not None:
+            assert st.queue.wait(list(st._inflight.values()), 30)
+        s = st.summary()
+        assert s["expert_slots"].startswith("on: "), s["expert_slots"]
+        assert s["slot_swaps"] > 0 and s["pages_reused_mib"] == 0
+        assert st.stats()["evictions"] > 0
+        perm = st._perm
+        assert perm is not None
+        assert (np.sort(perm, axis=1) == np.arange(perm.shape[1])).all()  # permutations
+        assert isinstance(st.queue, reader_mod.NativeLaneQueue) and st.queue.lanes.exact
+
+    assert streamed(models[name], check, **values) == resident(models, name)
+
+
+@pytest.mark.parametrize("name,values,why", [
+    ("moe-odd", {"cache-mb": 12, "prefetch": 1}, "an expert slice is not whole pages"),
+    ("moe", {"cache-mb": 2, "prefetch": 0}, "needs read-ahead"),
+    ("moe", {"cache-mb": 64, "prefetch": 1}, "the cache holds every expert"),
+], ids=["odd-slices", "no-read-ahead", "all-fit"])
+def test_expert_slots_stay_off_where_they_cannot_work(
+        models: dict[str, Path], name: str, values: dict[str, Any], why: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for where they cannot work, expert slots stay off and say why; the experts
+    stay in their own places (no rewrite) and the tokens are the resident model's."""
+    monkeypatch.setenv(streamer_mod.SLOTS_ENV, "1")
+
+    def check(st: ExpertStreamer) -> None:
+        s = st.summary()
+        assert s["expert_slots"].startswith("off: ") and why in s["expert_slots"]
+        assert s["slot_swaps"] == 0 and st._perm is None
+
+    assert streamed(models[name], check, **values) == resident(models, name)

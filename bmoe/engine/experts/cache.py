@@ -201,6 +201,43 @@ class ExpertCache:
         self.rereads += adm.rereads
         return adm
 
+    def admit_own(self, layer: int, ids: np.ndarray, share: int, spec: bool = False
+                  ) -> Admission:
+        """`admit` (with `spec`, `admit_spec`) whose victims are all of `layer` once it
+        holds `share` units or more: its misses take over its own units' room, and the
+        layer keeps its count (expert slots: a miss is read into a victim's slot in place,
+        no pages moved). Below its share, or where the layer has too few units it may
+        evict, the plain admission (victims anywhere)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        row = self.resident[layer]
+        n_in = int(row.sum())
+        hits = int(row[ids].sum())
+        free = n_in - int((row & self.pinned[layer]).sum()) - hits   # evictable here
+        pinned = self.pinned.copy()
+        if n_in >= share and free >= len(ids) - hits:
+            # Every other layer pinned for the call, and the cache counted full: the
+            # victims are this layer's, as many as its misses (the C choice and numpy's
+            # both read these arrays as they are at the call).
+            self.pinned[:] = True
+            self.pinned[layer] = pinned[layer]
+            real = self.resident_bytes
+            self.resident_bytes = self.budget
+            try:
+                return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+            finally:
+                self.pinned[:] = pinned
+                self.resident_bytes = real + (self.resident_bytes - self.budget)
+        # Below its share: room from the layers above theirs, where they have it.
+        over = self.resident.sum(axis=1) > share
+        over[layer] = False
+        if over.any() and int((self.resident[over] & ~pinned[over]).sum()) >= len(ids) - hits:
+            self.pinned[~over] = True
+            try:
+                return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+            finally:
+                self.pinned[:] = pinned
+        return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+
     def admit_spec(self, layer: int, ids: np.ndarray, chance: float = 0.5) -> Admission:
         """Read-ahead of `ids` for `layer`: the ones not resident become misses, if room can
         be made without touching the last admit's units or pinned ones. Until `layer` is

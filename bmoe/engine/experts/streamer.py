@@ -89,6 +89,7 @@ from .cache import DEFAULT_POLICY, Admission, ExpertCache, NoCache
 from .predict import Predictor, batch_guess, read_routers, router_input, router_rows
 from .layout import ExpertTensor, Layout
 from .memory import (
+    PAGE,
     AnonBuffer,
     FileMapping,
     MappingProbe,
@@ -110,6 +111,10 @@ _LOAD_ALL_CHUNK = 16 << 20
 PREFILL_BATCH = 512          # the session's PREFILL_CHUNK: tokens per ubatch at most
 FILL_PRIO = 1 << 20          # a background fill's reads: after every token's and guess's
 _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
+SLOTS_ENV = "BMOE_EXPERT_SLOTS"   # "0": no expert slots (`_start_slots`), where they work
+# families whose MoE graph reads the routing only in the weights' gather and the expert
+# matmuls (no per-expert biases): checked on their graphs (docs/expert-cache.md)
+SLOT_ARCHS = frozenset({"qwen3moe"})
 
 
 class _Counters:
@@ -176,6 +181,14 @@ class ExpertStreamer:
         self._guess: dict[int, np.ndarray] = {}                   # this token's guesses
         self._busy_at = 0.0
         self._src_unit: dict[int, tuple[int, int]] = {}
+        # expert slots (`_start_slots`): the slot each expert of a layer is read into
+        self._perm: np.ndarray | None = None          # [n_layer, n_expert] -> slot
+        self._slot_share = 0                            # units a layer keeps in decode
+        self._slot_swaps = 0                            # misses read into a victim's slot
+        self._slot_taken: set[tuple[int, int]] = set()  # the last admission's: in place
+        self._slot_in_place: set[int] = set()           # its misses read into those
+        self._slots_checked = False                     # the graph's MoE nodes looked at
+        self.slots_note = "off"
         self._populating = False
         self._cb = lc.ggml_backend_sched_eval_callback(self._eval)
         self.native: evalcb.NativeCallback | None = None
@@ -299,6 +312,7 @@ class ExpertStreamer:
                 self._start_prefetch()
             else:           # once read, every expert stays: guessing would only cost
                 self.load_info["predictor"] = "off: every expert fits the cache"
+        self._start_slots()
         if (self.fill and isinstance(self.cache, ExpertCache) and self.budget.mode != "all"
                 and self.budget.bytes >= self._expert_bytes):
             self._start_fill()
@@ -384,7 +398,7 @@ class ExpertStreamer:
         `_reads_for` in Python, the same reads)."""
         q = self.queue
         return (isinstance(q, NativeLaneQueue) and self.reader is not None
-                and not self.reader.chunk)
+                and not self.reader.chunk and self._perm is None)
 
     def _plan_submit(self, layer: int, misses: np.ndarray, victims: list[tuple[int, int]],
                      split: bool, prio: int) -> tuple[list[QueuedGroup], list[Any]]:
@@ -416,6 +430,114 @@ class ExpertStreamer:
             where = ", guessed in C (bfloat16 routers)"
         self.load_info["predictor"] = (f"router, {len(routers)} of {n_layer} layers{where}"
                                        if routers else "previous token")
+
+    def _start_slots(self) -> None:
+        """Expert slots (on where they work; `BMOE_EXPERT_SLOTS=0` off): a missed expert
+        is read into the room of a victim of its own layer as it is, and the layer's
+        routing is rewritten to the slots (`_slot_rewrite`), instead of the victim's
+        pages being moved to the expert's own place. No page moves (their TLB flushes),
+        no spare pages; the layers keep their share of the cache for one token's experts
+        (`ExpertCache.admit_own`), a prompt batch still takes room from any layer (those
+        pages move, into the slot).
+
+        Needs a cache that turns over; the C lanes with read-ahead (their exact reads: a
+        slot's neighbours are other experts than the file's); slices of whole pages (a
+        direct read lands in any slot only then); and a model family whose routing is
+        read by nothing but the weights' gather and the expert matmuls (`SLOT_ARCHS`;
+        the first graph is checked again)."""
+        lay, why = self.layout, ""
+        if os.environ.get(SLOTS_ENV, "").strip() == "0":
+            why = f"{SLOTS_ENV}=0"
+        elif not isinstance(self.cache, ExpertCache):
+            why = "no cache"
+        elif self.budget.mode == "all" or self.budget.bytes >= self._expert_bytes:
+            why = "the cache holds every expert"
+        elif not isinstance(self.queue, NativeLaneQueue):
+            why = "needs read-ahead on the C read lanes"
+        elif any(t.slice_bytes % PAGE for t in lay.experts):
+            why = "an expert slice is not whole pages"
+        elif lay.arch not in SLOT_ARCHS:
+            why = f"not checked for {lay.arch or 'this family'}"
+        if why:
+            self.slots_note = f"off: {why}"
+            return
+        assert isinstance(self.cache, ExpertCache) and isinstance(self.queue, NativeLaneQueue)
+        self.queue.lanes.exact = True
+        self._perm = np.tile(np.arange(lay.n_expert, dtype=np.int64), (lay.n_layer, 1))
+        per_round = sum(lay.unit_bytes(i) for i in self._layer_ids)
+        self._slot_share = int(self.budget.bytes // max(1, per_round))
+        self.slots_note = f"on: {self._slot_share} experts a layer"
+
+    def _slot_admit(self, layer: int, ids: np.ndarray, spec: bool) -> Admission:
+        """The cache's admission, for one token's experts kept to the layer's own units
+        with slots on; then each miss paired with a victim of its own layer takes over
+        its slot."""
+        cache = self.cache
+        assert isinstance(cache, ExpertCache)
+        perm = self._perm
+        if perm is None:
+            return cache.admit_spec(layer, ids) if spec else cache.admit(layer, ids)
+        if len(ids) > self.layout.n_expert_used:      # a prompt batch's: room anywhere
+            adm = cache.admit_spec(layer, ids) if spec else cache.admit(layer, ids)
+        else:                                          # one token's: its layer's own
+            adm = cache.admit_own(layer, ids, self._slot_share, spec)
+        own = [ve for vl, ve in adm.victims if vl == layer]
+        self._slot_taken.clear()
+        self._slot_in_place.clear()
+        row = perm[layer]
+        for e, v in zip(adm.misses.tolist(), own, strict=False):
+            row[e], row[v] = row[v], row[e]
+            self._slot_taken.add((layer, v))     # its pages stay, for e
+            self._slot_in_place.add(e)
+        self._slot_swaps += len(self._slot_in_place)
+        return adm
+
+    def _slot_rewrite(self, node: int, layer: int, k: int, n: int, row: int,
+                      data: int) -> None:
+        """The layer's routing, rewritten in place from experts to their slots, and the
+        router's probabilities permuted to match (their gather reads them by the same
+        ids after this)."""
+        assert self._perm is not None
+        perm = self._perm[layer]
+        probs_at, stride = self._probs_of(node)
+        flat = np.ctypeslib.as_array(
+            (ctypes.c_int32 * ((n - 1) * row // 4 + k)).from_address(data))
+        ids = np.lib.stride_tricks.as_strided(flat, shape=(n, k), strides=(row, 4))
+        ne = self.layout.n_expert
+        pflat = np.ctypeslib.as_array(
+            (ctypes.c_float * ((n - 1) * stride // 4 + ne)).from_address(probs_at))
+        probs = np.lib.stride_tricks.as_strided(pflat, shape=(n, ne), strides=(stride, 4))
+        out = np.empty((n, ne), dtype=np.float32)
+        out[:, perm] = probs
+        probs[:] = out
+        ids[:] = perm[ids]
+
+    def _check_slots(self, node: int) -> None:
+        """The first routing seen: where the graph is not as expert slots expect, they
+        go off for good, before any expert has left its own place."""
+        self._slots_checked = True
+        try:
+            self._probs_of(node)
+        except RuntimeError as e:
+            assert self._perm is not None and not self._slot_swaps
+            self._perm = None
+            if isinstance(self.queue, NativeLaneQueue):
+                self.queue.lanes.exact = False
+            self.slots_note = f"off: {e}"
+
+    def _probs_of(self, node: int) -> tuple[int, int]:
+        """(address, row stride) of the router probabilities the routing node `node` was
+        sorted from: topk is a view of argsort, whose source is ffn_moe_probs-<l>."""
+        tt = ggml.tensor_at(node)
+        arg = ggml.tensor_at(tt.view_src) if tt.view_src else None
+        src = int(arg.src[0] or 0) if arg is not None else 0
+        pt = ggml.tensor_at(src) if src else None
+        if (pt is None or not ggml.name_of(src).startswith(b"ffn_moe_probs-")
+                or int(pt.type) != ggml.GGML_TYPE_F32 or int(pt.ne[0]) != self.layout.n_expert
+                or not pt.data or int(pt.nb[0]) != 4):
+            raise RuntimeError("the router's probabilities are not where expert slots "
+                               "expect them")
+        return int(pt.data), int(pt.nb[1])
 
     def _start_prefill_ahead(self) -> None:
         """A prompt batch reads layer l+1's experts while layer l computes (see
@@ -669,12 +791,16 @@ class ExpertStreamer:
                                f"0..{self.layout.n_expert - 1}")
         if self.record_routing and n == 1:
             self._route_row[layer] = ids[0]
+        if self._perm is not None and not self._slots_checked:
+            self._check_slots(node)
         self.ensure(layer, used)
         if self._batch_routers is not None and n > 1:
             self._prefill_ahead(layer, node, n)
         if self.predictor is not None and n == 1:
             self.predictor.last[layer] = ids[0].astype(np.int64)
             self._read_ahead(layer, node)
+        if self._perm is not None:
+            self._slot_rewrite(node, layer, k, n, row, data)
 
     def ensure(self, layer: int, ids: np.ndarray) -> Admission:
         """Make experts `ids` of `layer` resident (the cache's hits, reads for its misses)."""
@@ -684,7 +810,8 @@ class ExpertStreamer:
             return self._ensure_queued(layer, ids)
         assert self.cache is not None and self.reader is not None
         t0 = time.perf_counter()
-        adm = self.cache.admit(layer, ids)
+        adm = self._slot_admit(layer, ids, False) if self._perm is not None else \
+            self.cache.admit(layer, ids)
         spare = self._victim_pages(adm.victims)
         reads = self._reads_for(layer, adm.misses, spare)
         for length, pages in spare.items():      # victims whose pages no miss took over
@@ -712,7 +839,7 @@ class ExpertStreamer:
         for g in waits:              # a miss whose old pages a queued read still takes
             self.queue.promote(g)
         self._wait(waits)
-        adm = self.cache.admit(layer, ids)
+        adm = self._slot_admit(layer, ids, False)
         c = self._token if not self._in_prefill else self._turn
         self._score_guess(layer, ids, c)
         used = self._spec[layer, ids]
@@ -828,7 +955,7 @@ class ExpertStreamer:
         if not todo:
             return []
         groups: list[QueuedGroup] = []
-        adm = self.cache.admit_spec(j, np.array(todo, dtype=np.int64))
+        adm = self._slot_admit(j, np.array(todo, dtype=np.int64), True)
         self._note_victims(adm.victims, c)
         for cc in (c, self._total):
             cc.evictions += len(adm.victims)
@@ -900,10 +1027,14 @@ class ExpertStreamer:
         """The victims' interior pages, by length: to hand on to misses, or to free."""
         spare: dict[int, list[tuple[AnonBuffer, int]]] = {}
         self._src_unit.clear()
+        perm = self._perm
         for vl, ve in victims:
+            if perm is not None and (vl, ve) in self._slot_taken:
+                continue                         # a miss reads into its slot as it is
+            at = int(perm[vl, ve]) if perm is not None else ve
             for t, buf in self._by_layer.get(vl, ()):
                 s = t.slice_bytes
-                addr, n = buf.interior(ve * s, (ve + 1) * s)
+                addr, n = buf.interior(at * s, (at + 1) * s)
                 if n:
                     spare.setdefault(n, []).append((buf, addr))
                     self._src_unit[addr] = (vl, ve)
@@ -915,6 +1046,8 @@ class ExpertStreamer:
         each slice takes over a victim's pages where one is spare (moved in the lane)."""
         if not len(misses):
             return []
+        if self._perm is not None:
+            return self._slot_reads(layer, misses, spare)
         runs: list[list[int]] = []
         for e in misses.tolist():
             if runs and runs[-1][1] == e:
@@ -940,6 +1073,33 @@ class ExpertStreamer:
                 reads.append(Read(t.offset + e0 * s, (e1 - e0) * s, buf, e0 * s, tuple(moves)))
         return reads
 
+    def _slot_reads(self, layer: int, misses: np.ndarray,
+                    spare: dict[int, list[tuple[AnonBuffer, int]]]) -> list[Read]:
+        """`_reads_for` with expert slots: one read per missed slice, into its slot; a
+        miss that took over a victim's slot reads over its pages as they are, the others
+        take spare pages (a victim of another layer's) or fresh ones as `_reads_for`."""
+        assert self._perm is not None
+        row = self._perm[layer]
+        recycle = self.reader is not None and self.reader.recycle
+        fresh = self.reader is not None and self.reader.supply is not None
+        reads = []
+        for t, buf in self._by_layer.get(layer, ()):
+            s = t.slice_bytes
+            for e in misses.tolist():
+                at = int(row[e])
+                moves: list[tuple[int, int, int]] = []
+                if e not in self._slot_in_place and recycle:
+                    dst, n = buf.interior(at * s, (at + 1) * s)
+                    taken = take_spare(spare, n) if n else None
+                    m = 0
+                    if taken is not None:
+                        src, m = taken
+                        moves.append((src, dst, m))
+                    if n > m and fresh:
+                        moves.append((FRESH, dst + m, n - m))
+                reads.append(Read(t.offset + e * s, s, buf, at * s, tuple(moves)))
+        return reads
+
     def _forget(self, layer: int, ids: np.ndarray) -> None:
         """Reads of `ids` failed: they are not resident, and their pages go back."""
         if isinstance(self.cache, ExpertCache):
@@ -947,10 +1107,12 @@ class ExpertStreamer:
             self.cache.resident_bytes -= int(self.cache.unit_bytes[layer]) * len(ids)
         elif isinstance(self.cache, NoCache):
             self.cache.forget(layer)
+        perm = self._perm
         for t, buf in self._by_layer.get(layer, ()):
             s = t.slice_bytes
             for e in ids.tolist():
-                buf.release(e * s, (e + 1) * s)
+                at = int(perm[layer, e]) if perm is not None else e
+                buf.release(at * s, (at + 1) * s)
 
     def _count(self, mgmt_s: float, io_s: float, nbytes: int, adm: Admission) -> None:
         for c in (self._turn if self._in_prefill else self._token, self._total):
@@ -1065,6 +1227,8 @@ class ExpertStreamer:
             if self.reader and self.reader.supply else "",
             "pages_reused_mib": round(self.reader.supply.reused_bytes / MIB, 1)
             if self.reader and self.reader.supply else 0.0,
+            "expert_slots": self.slots_note,
+            "slot_swaps": self._slot_swaps,
             "dense_weights": self.dense_mode,
             "dense_resident_frac": self.dense_resident_frac(),
         }
