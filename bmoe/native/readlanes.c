@@ -26,6 +26,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -844,39 +845,21 @@ static PyObject *Lanes_get_moved(Lanes *self, void *c) {
     return PyLong_FromLongLong(__atomic_load_n(&self->moved_bytes, __ATOMIC_RELAXED));
 }
 
-static PyObject *Lanes_get_recycle(Lanes *self, void *c) {
-    (void)c;
-    return PyBool_FromLong(__atomic_load_n(&self->recycle, __ATOMIC_RELAXED));
+/* A switch of the lanes (an int read by the lanes atomically), at offset `c` in Lanes. */
+static PyObject *Lanes_get_flag(Lanes *self, void *c) {
+    int *flag = (int *)((char *)self + (intptr_t)c);
+    return PyBool_FromLong(__atomic_load_n(flag, __ATOMIC_RELAXED));
 }
 
-static int Lanes_set_recycle(Lanes *self, PyObject *v, void *c) {
-    (void)c;
+static int Lanes_set_flag(Lanes *self, PyObject *v, void *c) {
     if (!v) {
-        PyErr_SetString(PyExc_AttributeError, "recycle cannot be deleted");
+        PyErr_SetString(PyExc_AttributeError, "a lanes' switch cannot be deleted");
         return -1;
     }
     int on = PyObject_IsTrue(v);
     if (on < 0)
         return -1;
-    __atomic_store_n(&self->recycle, on, __ATOMIC_RELAXED);
-    return 0;
-}
-
-static PyObject *Lanes_get_exact(Lanes *self, void *c) {
-    (void)c;
-    return PyBool_FromLong(__atomic_load_n(&self->exact, __ATOMIC_RELAXED));
-}
-
-static int Lanes_set_exact(Lanes *self, PyObject *v, void *c) {
-    (void)c;
-    if (!v) {
-        PyErr_SetString(PyExc_AttributeError, "exact cannot be deleted");
-        return -1;
-    }
-    int on = PyObject_IsTrue(v);
-    if (on < 0)
-        return -1;
-    __atomic_store_n(&self->exact, on, __ATOMIC_RELAXED);
+    __atomic_store_n((int *)((char *)self + (intptr_t)c), on, __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -917,11 +900,12 @@ static PyMethodDef Lanes_methods[] = {
 static PyGetSetDef Lanes_getset[] = {
     {"busy_s", (getter)Lanes_get_busy, NULL, "summed lane time spent on reads", NULL},
     {"moved_bytes", (getter)Lanes_get_moved, NULL, "bytes of pages moved", NULL},
-    {"recycle", (getter)Lanes_get_recycle, (setter)Lanes_set_recycle,
-     "page moves on (a failed move turns them off)", NULL},
-    {"exact", (getter)Lanes_get_exact, (setter)Lanes_set_exact,
+    {"recycle", (getter)Lanes_get_flag, (setter)Lanes_set_flag,
+     "page moves on (a failed move turns them off)", (void *)offsetof(Lanes, recycle)},
+    {"exact", (getter)Lanes_get_flag, (setter)Lanes_set_flag,
      "reads write only their slices' bytes, not the rest of the first and last pages "
-     "(for buffers whose slices hold other experts than the file's neighbours)", NULL},
+     "(for buffers whose slices hold other experts than the file's neighbours)",
+     (void *)offsetof(Lanes, exact)},
     {"use_direct", (getter)Lanes_get_direct, NULL, "direct reads on", NULL},
     {"refused_errno", (getter)Lanes_get_refused, NULL,
      "the errno of the direct read the kernel refused (0: none)", NULL},

@@ -1062,14 +1062,7 @@ class ExpertStreamer:
             for e0, e1 in runs:
                 moves: list[tuple[int, int, int]] = []
                 for e in range(e0, e1) if recycle else ():
-                    dst, n = buf.interior(e * s, (e + 1) * s)
-                    taken = take_spare(spare, n) if n else None
-                    m = 0
-                    if taken is not None:
-                        src, m = taken
-                        moves.append((src, dst, m))
-                    if n > m and fresh:
-                        moves.append((FRESH, dst + m, n - m))
+                    moves += _slice_moves(buf, e * s, (e + 1) * s, spare, fresh)
                 reads.append(Read(t.offset + e0 * s, (e1 - e0) * s, buf, e0 * s, tuple(moves)))
         return reads
 
@@ -1089,14 +1082,7 @@ class ExpertStreamer:
                 at = int(row[e])
                 moves: list[tuple[int, int, int]] = []
                 if e not in self._slot_in_place and recycle:
-                    dst, n = buf.interior(at * s, (at + 1) * s)
-                    taken = take_spare(spare, n) if n else None
-                    m = 0
-                    if taken is not None:
-                        src, m = taken
-                        moves.append((src, dst, m))
-                    if n > m and fresh:
-                        moves.append((FRESH, dst + m, n - m))
+                    moves = _slice_moves(buf, at * s, (at + 1) * s, spare, fresh)
                 reads.append(Read(t.offset + e * s, s, buf, at * s, tuple(moves)))
         return reads
 
@@ -1309,6 +1295,24 @@ class ExpertStreamer:
                 buf.close()
         self._buffers.clear()
         self._by_layer.clear()
+
+
+def _slice_moves(buf: AnonBuffer, start: int, end: int,
+                 spare: dict[int, list[tuple[AnonBuffer, int]]],
+                 fresh: bool) -> list[tuple[int, int, int]]:
+    """The page moves that commit the interior of `buf[start:end]` before its read: a
+    victim's spare pages where one fits (`take_spare`), fresh ones from the supply for
+    the rest when there is one."""
+    dst, n = buf.interior(start, end)
+    taken = take_spare(spare, n) if n else None
+    moves: list[tuple[int, int, int]] = []
+    m = 0
+    if taken is not None:
+        src, m = taken
+        moves.append((src, dst, m))
+    if n > m and fresh:
+        moves.append((FRESH, dst + m, n - m))
+    return moves
 
 
 def take_spare(spare: dict[int, list[tuple[AnonBuffer, int]]], n: int) -> tuple[int, int] | None:
