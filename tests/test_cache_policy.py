@@ -418,3 +418,37 @@ def test_own_layer_admissions_keep_each_layer_at_its_share(
             over = [vl for vl in range(n_layer) if vl != layer and before[vl] > share]
             if sum(int(before[vl]) for vl in over) >= len(a):
                 assert all(vl in over for vl, _ in adm.victims)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_own_pin_in_c_is_numpys(data: st.DataObject) -> None:
+    """`cachepick.own_pin` decides and pins what `ExpertCache._own_pin` does in numpy:
+    the same mode, the same layers pinned, the pins as they were saved."""
+    from bmoe.engine.experts.cache import native_pick
+    pick = native_pick()
+    assert pick is not None, "the C cache parts are built with the package"
+    n_layer, n_expert = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 12))
+    bools = st.lists(st.booleans(), min_size=n_layer * n_expert, max_size=n_layer * n_expert)
+    resident = np.array(data.draw(bools), dtype=bool).reshape(n_layer, n_expert)
+    pinned = np.array(data.draw(bools), dtype=bool).reshape(n_layer, n_expert)
+    layer = data.draw(st.integers(0, n_layer - 1))
+    ids = np.array(data.draw(st.lists(st.integers(0, n_expert - 1), min_size=1,
+                                      max_size=n_expert, unique=True)), dtype=np.int64)
+    share = data.draw(st.integers(0, n_expert))
+    c = ExpertCache(np.full(n_layer, 3), n_expert=n_expert, budget=1 << 20, policy="lru")
+    c.resident[:] = resident
+    c.pinned[:] = pinned
+    want = c._own_pin(layer, ids, share)
+    want_pins, saved = c.pinned.copy(), c._saved_pin.copy()
+    c.pinned[:] = pinned
+    c._saved_pin[:] = False
+    got = pick.own_pin(c.resident, c.pinned, c._saved_pin, layer, ids, share, n_expert)
+    assert got == want
+    assert (c.pinned == want_pins).all() and (c._saved_pin == saved).all()
+    assert (saved == pinned).all()
+    with pytest.raises(ValueError):
+        pick.own_pin(c.resident, c.pinned, c._saved_pin, n_layer, ids, share, n_expert)
+    with pytest.raises(ValueError):
+        pick.own_pin(c.resident, c.pinned, c._saved_pin, layer, ids + n_expert, share,
+                     n_expert)

@@ -897,6 +897,72 @@ def test_c_guesses_of_a_broken_router_input_are_empty_not_a_crash() -> None:
     assert not cb.guess(routers, 2, 8, 1, 4, 1.5)           # a gate above 1
 
 
+def _routing_graph(ids: np.ndarray, probs: np.ndarray, row_pad: int, probs_pad: int,
+                   name: bytes = b"ffn_moe_probs-1") -> tuple[Any, ...]:
+    """A routing node as llama.cpp's graph has it: a view (I32 [k, n], rows `row_pad`
+    ints wider than k) of an argsort whose source is the router's probabilities (F32
+    [n_expert, n], rows `probs_pad` floats wider). Returns the node and what keeps the
+    memory alive."""
+    n, k = ids.shape
+    e = probs.shape[1]
+    id_buf = np.full((n, k + row_pad), -7, dtype=np.int32)
+    id_buf[:, :k] = ids
+    p_buf = np.full((n, e + probs_pad), -1.0, dtype=np.float32)
+    p_buf[:, :e] = probs
+    pt, arg, topk = ggml.GgmlTensor(), ggml.GgmlTensor(), ggml.GgmlTensor()
+    pt.type, pt.name, pt.data = ggml.GGML_TYPE_F32, name, p_buf.ctypes.data
+    pt.ne[0], pt.ne[1], pt.nb[0], pt.nb[1] = e, n, 4, p_buf.strides[0]
+    arg.src[0] = ctypes.addressof(pt)
+    topk.type, topk.name, topk.data = ggml.GGML_TYPE_I32, b"ffn_moe_topk-1", id_buf.ctypes.data
+    topk.ne[0], topk.ne[1], topk.nb[0], topk.nb[1] = k, n, 4, id_buf.strides[0]
+    topk.view_src = ctypes.addressof(arg)
+    return ctypes.addressof(topk), id_buf, p_buf, (pt, arg, topk)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hs.integers(1, 6), hs.integers(1, 8), hs.integers(0, 3), hs.integers(0, 5),
+       hs.integers(0, 2 ** 32 - 1))
+def test_c_slot_rewrite_is_numpys(n: int, k: int, row_pad: int, probs_pad: int,
+                                  seed: int) -> None:
+    """The C callback's rewrite of a routing to expert slots (`bmoe_evalcb_rewrite`)
+    writes what the streamer's numpy rewrite writes: ids -> perm[ids], probs'[perm[e]] =
+    probs[e], row by row, and nothing in the rows' padding."""
+    rng = np.random.default_rng(seed)
+    n_layer, n_exp = 3, 16
+    perm = np.stack([rng.permutation(n_exp) for _ in range(n_layer)]).astype(np.int64)
+    ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(n)]).astype(np.int32)
+    probs = rng.random((n, n_exp), dtype=np.float32)
+    node, id_buf, p_buf, _keep = _routing_graph(ids, probs, row_pad, probs_pad)
+    cb = evalcb.NativeCallback(lambda *_: True, lambda _: 0)
+    assert cb.rewrite(node, 1) == -1                  # no slots handed over yet
+    assert cb.slots(perm)
+    assert cb.rewrite(node, 1) == 0
+    want = np.empty_like(probs)
+    want[:, perm[1]] = probs
+    assert (id_buf[:, :k] == perm[1][ids]).all() and (id_buf[:, k:] == -7).all()
+    assert (p_buf[:, :n_exp] == want).all() and (p_buf[:, n_exp:] == -1.0).all()
+    assert cb.rewrite(node, n_layer) == -1            # a layer outside the slots
+
+
+def test_c_slot_rewrite_refuses_what_it_does_not_expect() -> None:
+    """Ids or slots out of range and probabilities that are not the router's are refused
+    (a negative code, which the streamer turns into an error), not a write out of
+    bounds."""
+    perm = np.tile(np.arange(8, dtype=np.int64)[::-1].copy(), (2, 1))
+    probs = np.arange(16, dtype=np.float32).reshape(2, 8)
+    cb = evalcb.NativeCallback(lambda *_: True, lambda _: 0)
+    assert cb.slots(perm)
+    node, id_buf, p_buf, _keep = _routing_graph(np.array([[1, 9], [2, 3]], np.int32), probs, 0, 0)
+    assert cb.rewrite(node, 0) == -4 and (id_buf[0] == [1, 9]).all()   # id 9 of 8
+    node, *_k1 = _routing_graph(np.array([[1, 2]], np.int32), probs[:1], 0, 0, b"ffn_moe_x-1")
+    assert cb.rewrite(node, 0) == -3
+    perm[1, 3] = 8                                     # a slot out of range
+    node, id_buf, p_buf, _keep = _routing_graph(np.array([[1, 2]], np.int32), probs[:1], 0, 0)
+    assert cb.rewrite(node, 1) == -4 and (id_buf[0] == [1, 2]).all()
+    assert (p_buf[0] == probs[0]).all()
+    assert cb.slots(None) and cb.rewrite(node, 0) == -1
+
+
 @pytest.mark.parametrize("name", ["moe", "moe-f16"])
 def test_the_callbacks_guesses_are_numpys_from_the_graphs_router_input(
         models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, name: str) -> None:
@@ -1225,12 +1291,14 @@ def test_page_supply_keeps_the_pages_handed_back_for_the_next_slice() -> None:
         buf.close()
 
 
-@pytest.mark.parametrize("plain_faster", [True, False])
+@pytest.mark.parametrize("plain_faster,once", [(True, False), (False, False), (True, True)],
+                         ids=["plain-faster", "huge-faster", "slots-commit-once"])
 def test_page_supply_turns_itself_off_where_huge_pages_fault_in_slower(
-        monkeypatch: pytest.MonkeyPatch, plain_faster: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, plain_faster: bool, once: bool) -> None:
     """After `_JUDGE_BYTES` given, the supply stays on only while its huge pages commit at
     least as fast as plain pages fault in; off, it gives nothing (the reads fault pages in
-    as without it) and its note gives both rates."""
+    as without it) and its note gives both rates. With `once` (expert slots: each slot's
+    pages committed once) it does not judge and stays on."""
     from bmoe.engine.experts import memory
     from bmoe.engine.experts.memory import AnonBuffer, PageSupply
 
@@ -1240,6 +1308,7 @@ def test_page_supply_turns_itself_off_where_huge_pages_fault_in_slower(
     supply = PageSupply(region=8 * MIB)
     assert supply.plain_rate > 0 and supply.note == "on"
     supply.plain_rate = 1e15 if plain_faster else 1.0      # faster, or slower, than any
+    supply.once = once
     buf = AnonBuffer(576, 12 * MIB)
     try:
         i = 0
@@ -1248,6 +1317,9 @@ def test_page_supply_turns_itself_off_where_huge_pages_fault_in_slower(
             assert supply.give(addr, n)
             i += 1
         addr, n = buf.interior(i * MIB, (i + 1) * MIB)
+        if once:
+            assert supply.enabled and supply.give(addr, n) and supply.note == "on"
+            return
         if plain_faster:
             assert not supply.enabled and not supply.give(addr, n)
             assert supply.note.startswith("off: huge pages faulted in at "), supply.note
@@ -1454,16 +1526,22 @@ def test_a_miss_takes_a_victims_pages_of_another_length() -> None:
     ("moe", {"cache-mb": 2, "prefetch": 1, "overlap": True}),
     ("moe-f16", {"cache-mb": 1, "prefetch": 2}),
     ("moe-wide", {"cache-mb": 16, "prefetch": 1, "overlap": True}),
-], ids=["f32-overlap", "f16-wait", "wide-overlap"])
+    ("moe", {"cache-mb": 2, "prefetch": 0, "huge-pages": True}),
+    ("moe", {"cache-mb": 2, "prefetch": 1, "overlap": True}),
+], ids=["f32-overlap", "f16-wait", "wide-overlap", "serial", "python-callback"])
 def test_expert_slots_read_misses_into_their_victims_room_and_match(
         models: dict[str, Path], name: str, values: dict[str, Any],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """Expert slots (`BMOE_EXPERT_SLOTS=1`): a missed expert is read into the room of a
     victim of its own layer, no page moved, and the routing the expert matmuls read is
-    rewritten to the slots (the router's probabilities permuted to match). Prompt
-    batches take room across layers. Two turns, the second reusing the first's KV: the
-    same greedy tokens and bit-identical logits as the resident model."""
+    rewritten to the slots (the router's probabilities permuted to match: in the C
+    callback, or with numpy under the Python callback). Prompt batches take room across
+    layers. Two turns, the second reusing the first's KV: the same greedy tokens and
+    bit-identical logits as the resident model."""
     monkeypatch.setenv(streamer_mod.SLOTS_ENV, "1")
+    python = request.node.callspec.id == "python-callback"
+    if python:
+        monkeypatch.setenv(evalcb.ENV, "python")
 
     def check(st: ExpertStreamer) -> None:
         if st.queue is not None:
@@ -1476,13 +1554,17 @@ def test_expert_slots_read_misses_into_their_victims_room_and_match(
         assert perm is not None
         assert (np.sort(perm, axis=1) == np.arange(perm.shape[1])).all()  # permutations
         assert isinstance(st.queue, reader_mod.NativeLaneQueue) and st.queue.lanes.exact
+        assert s["expert_slots"].endswith("with numpy" if python else "in C")
+        supply = st.reader.supply if st.reader is not None else None
+        if values.get("huge-pages") and supply is not None and supply.enabled:
+            assert supply.once and s["huge_pages_mib"] > 0     # no judgement: kept on
 
     assert streamed(models[name], check, **values) == resident(models, name)
 
 
 @pytest.mark.parametrize("name,values,why", [
     ("moe-odd", {"cache-mb": 12, "prefetch": 1}, "an expert slice is not whole pages"),
-    ("moe", {"cache-mb": 2, "prefetch": 0}, "needs read-ahead"),
+    ("moe", {"cache-mb": 2, "prefetch": 0, "prefill-ahead": False}, "read lanes' queue"),
     ("moe", {"cache-mb": 64, "prefetch": 1}, "the cache holds every expert"),
 ], ids=["odd-slices", "no-read-ahead", "all-fit"])
 def test_expert_slots_stay_off_where_they_cannot_work(

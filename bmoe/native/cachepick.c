@@ -223,6 +223,93 @@ static PyObject *evictable_bytes(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* own_pin(resident, pinned, saved, layer, ids, share, n_expert) -> 0, 1 or 2: what
+ * ExpertCache.admit_own decides before its admission (see cache.py, `_own_pin`, the
+ * numpy reference), with `pinned` first copied into `saved` (the caller copies it back
+ * after the admission). 1: the layer holds `share` units or more and has as many it may
+ * evict as the ids miss; every other layer is pinned. 2: otherwise, the layers holding
+ * more than their share (the layer itself aside) have that many units they may evict;
+ * every other layer is pinned. 0: neither; nothing is pinned. */
+static PyObject *own_pin(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer res, pin, saved, ids;
+    int layer;
+    long long share;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y*w*w*iy*Ln:own_pin", &res, &pin, &saved, &layer, &ids,
+                          &share, &n))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t layers = n > 0 ? res.len / n : 0;
+    if (n <= 0 || res.len % n || pin.len != res.len || saved.len != res.len
+        || ids.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "own_pin: arrays of different shapes");
+        goto done;
+    }
+    if (layer < 0 || layer >= layers) {
+        PyErr_Format(PyExc_ValueError, "layer %d outside 0..%zd", layer, layers - 1);
+        goto done;
+    }
+    const uint8_t *r = res.buf;
+    uint8_t *p = pin.buf;
+    const int64_t *id = ids.buf;
+    Py_ssize_t k = ids.len / 8, base = (Py_ssize_t)layer * n;
+    long long n_in = 0, hits = 0, held = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (id[j] < 0 || id[j] >= n) {
+            PyErr_Format(PyExc_ValueError, "expert %lld outside 0..%zd", (long long)id[j],
+                         n - 1);
+            goto done;
+        }
+        hits += r[base + id[j]] != 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        n_in += r[base + i] != 0;
+        held += r[base + i] && p[base + i];
+    }
+    long long need = (long long)k - hits;
+    memcpy(saved.buf, p, (size_t)res.len);
+    long mode = 0;
+    if (n_in >= share && n_in - held - hits >= need) {
+        memset(p, 1, (size_t)res.len);
+        memcpy(p + base, (const uint8_t *)saved.buf + base, (size_t)n);
+        mode = 1;
+    } else {
+        long long free = 0;
+        int any = 0;
+        for (Py_ssize_t l = 0; l < layers; l++) {
+            if (l == layer)
+                continue;
+            long long in = 0, ok = 0;
+            for (Py_ssize_t i = l * n; i < (l + 1) * n; i++) {
+                in += r[i] != 0;
+                ok += r[i] && !p[i];
+            }
+            if (in > share) {
+                any = 1;
+                free += ok;
+            }
+        }
+        if (any && free >= need) {
+            for (Py_ssize_t l = 0; l < layers; l++) {
+                long long in = 0;
+                for (Py_ssize_t i = l * n; i < (l + 1) * n; i++)
+                    in += r[i] != 0;
+                if (l == layer || in <= share)
+                    memset(p + l * n, 1, (size_t)n);
+            }
+            mode = 2;
+        }
+    }
+    out = PyLong_FromLong(mode);
+done:
+    PyBuffer_Release(&res);
+    PyBuffer_Release(&pin);
+    PyBuffer_Release(&saved);
+    PyBuffer_Release(&ids);
+    return out;
+}
+
 /* The `reuse` policy's per-admit learning (ExpertCache._learn), for one layer's row of
  * n units: each unit adds one observation to the hazard table [2][gaps][buckets] at its
  * cell (gap since its last use, its bucket; the routed half when `routed` has it), then
@@ -698,6 +785,8 @@ static PyMethodDef methods[] = {
     {"victims", victims, METH_VARARGS,
      "victims(keep, extra, resident, pinned, stamp, protect_from, nbytes, over, k) -> "
      "(units least kept first, bytes freed)"},
+    {"own_pin", own_pin, METH_VARARGS,
+     "own_pin(resident, pinned, saved, layer, ids, share, n_expert) -> 0, 1 or 2"},
     {"evictable_bytes", evictable_bytes, METH_VARARGS,
      "evictable_bytes(resident, pinned, stamp, protect_from, nbytes) -> int"},
     {"learn", learn, METH_VARARGS,

@@ -89,6 +89,10 @@ typedef struct {
     float g_gate;
     uint64_t g_rows;           /* layers guessed here from their router */
     uint64_t g_missing;        /* layers not guessed here: no router, or no router input */
+    /* expert slots (bmoe_evalcb_slots): Python's permutations and a row of scratch */
+    const int64_t *s_perm;     /* [s_layers][s_experts]: expert -> slot */
+    float *s_scratch;          /* [s_experts] */
+    int32_t s_layers, s_experts;
 } state_t;
 
 static const char TOPK[] = "ffn_moe_topk-";
@@ -409,6 +413,87 @@ EXPORT int bmoe_evalcb_guess_for(void *state, int32_t layer, const float *h) {
         return -1;
     guess_from(st, layer, h);
     return 0;
+}
+
+/* -- expert slots ------------------------------------------------------------------------ */
+
+/* Hand over the expert slots' permutations (`perm` int64 [n_layer][n_expert], expert ->
+ * slot, and `scratch` float [n_expert], both owned by Python and kept alive by it), for
+ * bmoe_evalcb_rewrite; NULL `perm` forgets them. Returns 0, or -1 for a shape this does not
+ * take. */
+EXPORT int bmoe_evalcb_slots(void *state, const int64_t *perm, int32_t n_layer,
+                             int32_t n_expert, float *scratch) {
+    state_t *st = state;
+    if (!st || st->magic != STATE_MAGIC)
+        return -1;
+    if (!perm) {
+        st->s_perm = NULL;
+        return 0;
+    }
+    if (!scratch || n_layer <= 0 || n_expert <= 0 || n_expert > MAX_EXPERT)
+        return -1;
+    st->s_scratch = scratch;
+    st->s_layers = n_layer;
+    st->s_experts = n_expert;
+    st->s_perm = perm;
+    return 0;
+}
+
+/* Rewrite the routing node `node` of layer `layer` (I32 [k, n], a view of the argsort of
+ * the router's probabilities) in place from expert ids to their slots, and permute the
+ * probabilities (F32 [n_expert, n] "ffn_moe_probs-<l>", which the weights' gather reads by
+ * the same ids afterwards) to match: probs'[perm[e]] = probs[e]. What the streamer's
+ * `_slot_rewrite` does with numpy, for one MoE layer of a graph, on the engine thread.
+ * Returns 0; -1 without slots or a layer outside them; -2 where the routing's layout is
+ * not one this reads; -3 where the probabilities are not where slots expect them; -4 for
+ * a slot out of range (nothing written) or an id out of range (nothing written from its
+ * row on). */
+EXPORT int bmoe_evalcb_rewrite(void *state, const void *node, int32_t layer) {
+#define PTR(t, off) (*(char *const *)((t) + (off)))
+    state_t *st = state;
+    if (!st || st->magic != STATE_MAGIC || !st->s_perm || !node || layer < 0
+        || layer >= st->s_layers)
+        return -1;
+    const char *p = node;
+    const int64_t *ne = (const int64_t *)(p + st->ne);
+    const size_t *nb = (const size_t *)(p + st->nb);
+    int64_t k = ne[0], n = ne[1], row = (int64_t)nb[1];
+    if (k == 0 || n == 0)
+        return 0;
+    char *data = PTR(p, st->data);
+    if (!data || k < 0 || n < 0 || nb[0] != 4 || row < 4 * k || row % 4)
+        return -2;
+    const char *argsort = PTR(p, st->view_src);
+    const char *probs = argsort ? PTR(argsort, st->src) : NULL;
+    int32_t E = st->s_experts;
+    if (!probs || strncmp(probs + st->name, "ffn_moe_probs-", 14) != 0
+        || *(const int32_t *)(probs + st->type) != st->type_f32)
+        return -3;
+    const int64_t *pne = (const int64_t *)(probs + st->ne);
+    const size_t *pnb = (const size_t *)(probs + st->nb);
+    char *pdata = PTR(probs, st->data);
+    if (!pdata || pne[0] != E || pne[1] < n || pnb[0] != 4 || pnb[1] < (size_t)(4 * E)
+        || pnb[1] % 4)
+        return -3;
+    const int64_t *perm = st->s_perm + (size_t)layer * (size_t)E;
+    for (int32_t e = 0; e < E; e++)
+        if ((uint64_t)perm[e] >= (uint64_t)E)
+            return -4;
+    float *scratch = st->s_scratch;
+    for (int64_t j = 0; j < n; j++) {
+        int32_t *ids = (int32_t *)(data + j * row);
+        for (int64_t i = 0; i < k; i++)
+            if (ids[i] < 0 || ids[i] >= E)
+                return -4;
+        float *pr = (float *)(pdata + (size_t)j * pnb[1]);
+        memcpy(scratch, pr, sizeof(float) * (size_t)E);
+        for (int32_t e = 0; e < E; e++)
+            pr[perm[e]] = scratch[e];
+        for (int64_t i = 0; i < k; i++)
+            ids[i] = (int32_t)perm[ids[i]];
+    }
+    return 0;
+#undef PTR
 }
 
 /* llama.cpp's ggml_backend_sched_eval_callback. */

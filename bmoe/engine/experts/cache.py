@@ -114,6 +114,7 @@ class ExpertCache:
         self.freq = np.zeros((n_layer, n_expert), dtype=np.float64)
         self.loaded = np.zeros((n_layer, n_expert), dtype=bool)
         self.pinned = np.zeros((n_layer, n_expert), dtype=bool)     # reads in flight
+        self._saved_pin = np.zeros((n_layer, n_expert), dtype=bool)  # admit_own's
         self.spec_p = np.zeros((n_layer, n_expert), dtype=np.float64)  # read ahead, unused
         self.bytes_of = np.repeat(self.unit_bytes[:, None], n_expert, axis=1)
         self.resident_bytes = 0
@@ -206,37 +207,49 @@ class ExpertCache:
         """`admit` (with `spec`, `admit_spec`) whose victims are all of `layer` once it
         holds `share` units or more: its misses take over its own units' room, and the
         layer keeps its count (expert slots: a miss is read into a victim's slot in place,
-        no pages moved). Below its share, or where the layer has too few units it may
-        evict, the plain admission (victims anywhere)."""
+        no pages moved). Below its share, room comes from the layers above theirs where
+        they have it; else, or where the layer has too few units it may evict, the plain
+        admission (victims anywhere). The other layers are pinned for the call (the C
+        choice and numpy's both read the arrays as they are at the call)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if self._pick is not None:
+            mode = self._pick.own_pin(self.resident, self.pinned, self._saved_pin, layer,
+                                      ids, share, self.n_expert)
+        else:
+            mode = self._own_pin(layer, ids, share)
+        if mode == 0:
+            return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+        real = self.resident_bytes
+        if mode == 1:                  # the cache counted full: as many victims as misses
+            self.resident_bytes = self.budget
+        try:
+            return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+        finally:
+            np.copyto(self.pinned, self._saved_pin)
+            if mode == 1:
+                self.resident_bytes = real + (self.resident_bytes - self.budget)
+
+    def _own_pin(self, layer: int, ids: np.ndarray, share: int) -> int:
+        """What `admit_own` does before its admission, in numpy (`cachepick.own_pin` is the
+        same in C): `pinned` saved, then 1 (the layer holds its share and can evict as
+        many units as `ids` miss: every other layer pinned), 2 (the layers above their
+        share can: every other layer pinned) or 0 (nothing pinned)."""
         row = self.resident[layer]
         n_in = int(row.sum())
         hits = int(row[ids].sum())
         free = n_in - int((row & self.pinned[layer]).sum()) - hits   # evictable here
-        pinned = self.pinned.copy()
+        np.copyto(self._saved_pin, self.pinned)
         if n_in >= share and free >= len(ids) - hits:
-            # Every other layer pinned for the call, and the cache counted full: the
-            # victims are this layer's, as many as its misses (the C choice and numpy's
-            # both read these arrays as they are at the call).
             self.pinned[:] = True
-            self.pinned[layer] = pinned[layer]
-            real = self.resident_bytes
-            self.resident_bytes = self.budget
-            try:
-                return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
-            finally:
-                self.pinned[:] = pinned
-                self.resident_bytes = real + (self.resident_bytes - self.budget)
-        # Below its share: room from the layers above theirs, where they have it.
+            self.pinned[layer] = self._saved_pin[layer]
+            return 1
         over = self.resident.sum(axis=1) > share
         over[layer] = False
-        if over.any() and int((self.resident[over] & ~pinned[over]).sum()) >= len(ids) - hits:
+        if over.any() and int((self.resident[over] & ~self.pinned[over]).sum()) >= len(
+                ids) - hits:
             self.pinned[~over] = True
-            try:
-                return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
-            finally:
-                self.pinned[:] = pinned
-        return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+            return 2
+        return 0
 
     def admit_spec(self, layer: int, ids: np.ndarray, chance: float = 0.5) -> Admission:
         """Read-ahead of `ids` for `layer`: the ones not resident become misses, if room can

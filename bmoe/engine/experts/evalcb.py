@@ -86,6 +86,11 @@ def _library() -> ctypes.CDLL:
                                           ctypes.c_void_p, ctypes.c_void_p]
         lib.bmoe_evalcb_guess_for.restype = ctypes.c_int
         lib.bmoe_evalcb_guess_for.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+        lib.bmoe_evalcb_slots.restype = ctypes.c_int
+        lib.bmoe_evalcb_slots.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                          ctypes.c_int32, ctypes.c_void_p]
+        lib.bmoe_evalcb_rewrite.restype = ctypes.c_int
+        lib.bmoe_evalcb_rewrite.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
         lib.bmoe_evalcb_stats.restype = None
         lib.bmoe_evalcb_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         lib.bmoe_evalcb  # noqa: B018 - the callback itself must be there
@@ -108,6 +113,7 @@ class NativeCallback:
         self._forward: Any = None
         self._rows: Any = None
         self._guess_arrays: tuple[np.ndarray, ...] = ()
+        self._slot_arrays: tuple[np.ndarray, ...] = ()
         self.guess_rows: np.ndarray | None = None     # [depth, 1 + k]: see `guess`
         self._state = ctypes.create_string_buffer(lib.bmoe_evalcb_size())
         lay = ggml.native_layout() if layout is None else layout
@@ -208,6 +214,28 @@ class NativeCallback:
                 self._state, layer, h.ctypes.data) != 0:
             raise RuntimeError("guessing is not on")
         return self.guess_rows.copy()
+
+    def slots(self, perm: np.ndarray | None) -> bool:
+        """Hand the C side the expert slots' permutations (int64 [n_layer, n_expert],
+        C-contiguous, updated in place by the streamer and kept alive here), for
+        `rewrite`; None forgets them. False if C refused the shape."""
+        if perm is None:
+            self._slot_arrays = ()
+            return self.lib.bmoe_evalcb_slots(self._state, None, 0, 0, None) == 0
+        if perm.dtype.str != "<i8" or perm.ndim != 2 or not perm.flags.c_contiguous:
+            return False
+        scratch = np.zeros(perm.shape[1], dtype=np.float32)
+        if self.lib.bmoe_evalcb_slots(self._state, perm.ctypes.data, perm.shape[0],
+                                      perm.shape[1], scratch.ctypes.data) != 0:
+            return False
+        self._slot_arrays = (perm, scratch)
+        return True
+
+    def rewrite(self, node: int, layer: int) -> int:
+        """Rewrite the routing node `node` of `layer` from experts to slots, and permute
+        the router's probabilities to match (the streamer's `_slot_rewrite`, in C): 0, or
+        a negative code (see `bmoe_evalcb_rewrite` in evalcb.c)."""
+        return int(self.lib.bmoe_evalcb_rewrite(self._state, node, layer))
 
     def stats(self) -> dict[str, Any]:
         """asks (every node's ask phase, answered in C), bind_calls and route_calls (the

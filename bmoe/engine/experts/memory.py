@@ -335,8 +335,9 @@ class PageSupply:
     the reader's lanes take pages as they read. Off where the kernel has no transparent
     huge pages (`never`): then faulting in is as good.
 
-    It also turns itself off where huge pages are dear: a kernel that must compact memory
-    to find free 2 MiB blocks (`defrag` `madvise` after hours of page-cache churn) faults
+    It also turns itself off where huge pages are dear (unless `once`: see there): a
+    kernel that must compact memory to find free 2 MiB blocks (`defrag` `madvise` after
+    hours of page-cache churn) faults
     them in slower than plain pages, and then every fresh slice waits for that. Measured
     on this kind of VM after 40 GB of files were written: huge pages faulted and zeroed at
     454 MiB/s against 2,117 MiB/s for plain pages, and the 12-layer gpt-oss-120b slice
@@ -367,6 +368,10 @@ class PageSupply:
         self._start = self._pos = self._end = 0
         self._fault_s = 0.0                 # time spent faulting in the supply's pages
         self._judged = False
+        # every page given stays where it went for good (expert slots commit each slot
+        # once): a slow fault is paid once per slot, bounded by the cache, and every read
+        # after lands in contiguous pages, so the supply does not judge itself
+        self.once = False
         self.plain_rate = plain_fault_rate() if self.enabled else 0.0
         # pages handed back (`take`) and kept, up to `park_limit` bytes, for later slices
         self.park_limit = max(0, park_limit) // PAGE * PAGE
@@ -420,7 +425,7 @@ class PageSupply:
                 return False
             self._pos += length
             self.given_bytes += length
-            if not self._judged and self.given_bytes >= _JUDGE_BYTES:
+            if not self._judged and not self.once and self.given_bytes >= _JUDGE_BYTES:
                 self._judge()
             return True
 

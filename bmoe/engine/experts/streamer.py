@@ -188,6 +188,7 @@ class ExpertStreamer:
         self._slot_taken: set[tuple[int, int]] = set()  # the last admission's: in place
         self._slot_in_place: set[int] = set()           # its misses read into those
         self._slots_checked = False                     # the graph's MoE nodes looked at
+        self._slots_in_c = False                        # the rewrite in the C callback
         self.slots_note = "off"
         self._populating = False
         self._cb = lc.ggml_backend_sched_eval_callback(self._eval)
@@ -312,13 +313,13 @@ class ExpertStreamer:
                 self._start_prefetch()
             else:           # once read, every expert stays: guessing would only cost
                 self.load_info["predictor"] = "off: every expert fits the cache"
-        self._start_slots()
         if (self.fill and isinstance(self.cache, ExpertCache) and self.budget.mode != "all"
                 and self.budget.bytes >= self._expert_bytes):
             self._start_fill()
         if (self.prefill_ahead and self.budget.mode != "all"
                 and self.budget.bytes < self._expert_bytes):
             self._start_prefill_ahead()
+        self._start_slots()      # after every start of the queue: slots read on it
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
 
     def prompt_needs(self, allocs: ContextAllocs) -> PromptNeeds:
@@ -440,9 +441,10 @@ class ExpertStreamer:
         (`ExpertCache.admit_own`), a prompt batch still takes room from any layer (those
         pages move, into the slot).
 
-        Needs a cache that turns over; the C lanes with read-ahead (their exact reads: a
-        slot's neighbours are other experts than the file's); slices of whole pages (a
-        direct read lands in any slot only then); and a model family whose routing is
+        Needs a cache that turns over; the C lanes' queue (their exact reads: a slot's
+        neighbours are other experts than the file's), which read-ahead or a prompt's
+        read-ahead starts (so a serial run, without read-ahead, has slots too); slices
+        of whole pages (a direct read lands in any slot only then); and a model family whose routing is
         read by nothing but the weights' gather and the expert matmuls (`SLOT_ARCHS`;
         the first graph is checked again)."""
         lay, why = self.layout, ""
@@ -453,7 +455,7 @@ class ExpertStreamer:
         elif self.budget.mode == "all" or self.budget.bytes >= self._expert_bytes:
             why = "the cache holds every expert"
         elif not isinstance(self.queue, NativeLaneQueue):
-            why = "needs read-ahead on the C read lanes"
+            why = "needs the C read lanes' queue (read-ahead or a prompt's read-ahead)"
         elif any(t.slice_bytes % PAGE for t in lay.experts):
             why = "an expert slice is not whole pages"
         elif lay.arch not in SLOT_ARCHS:
@@ -463,10 +465,19 @@ class ExpertStreamer:
             return
         assert isinstance(self.cache, ExpertCache) and isinstance(self.queue, NativeLaneQueue)
         self.queue.lanes.exact = True
+        supply = self.reader.supply if self.reader is not None else None
+        if supply is not None and supply.enabled:
+            # huge pages asked for: a slot's pages are committed once and read into at
+            # every miss after, so their slower faults are paid once (no judgement)
+            supply.once = True
+            supply.note = "on: expert slots commit each slot's pages once"
         self._perm = np.tile(np.arange(lay.n_expert, dtype=np.int64), (lay.n_layer, 1))
+        # the routing rewritten in C, where the native callback runs (numpy otherwise)
+        self._slots_in_c = self.native is not None and self.native.slots(self._perm)
         per_round = sum(lay.unit_bytes(i) for i in self._layer_ids)
         self._slot_share = int(self.budget.bytes // max(1, per_round))
-        self.slots_note = f"on: {self._slot_share} experts a layer"
+        self.slots_note = (f"on: {self._slot_share} experts a layer, the routing rewritten "
+                           f"{'in C' if self._slots_in_c else 'with numpy'}")
 
     def _slot_admit(self, layer: int, ids: np.ndarray, spec: bool) -> Admission:
         """The cache's admission, for one token's experts kept to the layer's own units
@@ -498,6 +509,11 @@ class ExpertStreamer:
         router's probabilities permuted to match (their gather reads them by the same
         ids after this)."""
         assert self._perm is not None
+        if self._slots_in_c and self.native is not None:
+            if self.native.rewrite(node, layer) != 0:
+                raise RuntimeError(f"layer {layer}'s routing could not be rewritten to the "
+                                   "expert slots (an unexpected layout or id)")
+            return
         perm = self._perm[layer]
         probs_at, stride = self._probs_of(node)
         flat = np.ctypeslib.as_array(
@@ -521,6 +537,9 @@ class ExpertStreamer:
         except RuntimeError as e:
             assert self._perm is not None and not self._slot_swaps
             self._perm = None
+            if self._slots_in_c and self.native is not None:
+                self.native.slots(None)
+            self._slots_in_c = False
             if isinstance(self.queue, NativeLaneQueue):
                 self.queue.lanes.exact = False
             self.slots_note = f"off: {e}"
