@@ -8,6 +8,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +64,71 @@ def direct_read_rate(path: Path, chunk: int, count: int, lanes: int, seed: int =
         os.close(fd)
         for b in bufs:
             b.close()
+        supply.close()
+
+
+def burst_read_rate(path: Path, per_burst: int, count: int, lanes: int,
+                    seed: int = 0) -> tuple[float, float]:
+    """(bytes/s in bursts, bytes/s all queued at once) of `count` random experts of the
+    model at `path` (every slice of each: its gate, up and down), read by the engine's C
+    lanes with O_DIRECT into pages carved from transparent huge pages: in bursts of
+    `per_burst` experts, each waited for before the next is queued (what a layer's misses
+    are when nothing reads ahead: the engine's `auto` run), and the same reads queued all
+    at once. The page cache is dropped before each. The ratio is what the wait per layer
+    costs the disk itself, before the engine does anything."""
+    from bmoe.engine.experts.layout import read_layout
+    from bmoe.engine.experts.memory import AnonBuffer, PageSupply
+    from bmoe.engine.experts.reader import native_lanes
+    readlanes = native_lanes()
+    if readlanes is None:
+        raise SystemExit("the burst bench needs the C read lanes (bmoe.native.readlanes)")
+    lay = read_layout(path)
+    size = path.stat().st_size
+    rng = random.Random(seed)
+    layers = sorted(lay.layers)
+    units = [(rng.choice(layers), rng.randrange(lay.n_expert)) for _ in range(count)]
+    tensors: dict[int, list[Any]] = {}
+    for t in lay.experts:
+        tensors.setdefault(t.layer, []).append(t)
+    room = max(t.slice_bytes for t in lay.experts) + 2 * 4096
+    per_unit = max(len(ts) for ts in tensors.values())
+    buf = AnonBuffer(0, room * per_unit * max(1, per_burst))
+    supply = PageSupply()
+    supply.commit(buf)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffered = os.open(path, os.O_RDONLY)
+    lanes_c = readlanes.Lanes(direct, buffered, size, lanes, False,
+                              lambda *_: OSError("a read of the burst bench failed"))
+
+    def spec(group: list[tuple[int, int]]) -> list[int]:
+        out: list[int] = []
+        for i, (layer, e) in enumerate(group):
+            for j, t in enumerate(tensors[layer]):
+                off = t.offset + e * t.slice_bytes
+                at = buf.base + (i * per_unit + j) * room + off % 4096   # the file's phase
+                out += (off, t.slice_bytes, at, buf.base, buf.base + buf.size, 0)
+        return out
+
+    def timed(burst: int) -> float:
+        drop_caches()
+        total, t0 = 0, time.perf_counter()
+        for i in range(0, len(units), burst):
+            group = units[i:i + burst]
+            # all at once: concurrent reads may share memory (only the rate is wanted)
+            g = lanes_c.submit(spec(group) if burst <= per_burst else
+                               [x for u in group for x in spec([u])], 0, True)
+            if not lanes_c.wait([g], 60.0) or g.error is not None:
+                raise SystemExit("the burst bench's reads failed or hung")
+            total += g.nbytes
+        return total / (time.perf_counter() - t0)
+
+    try:
+        return timed(max(1, per_burst)), timed(len(units))
+    finally:
+        lanes_c.close()
+        os.close(direct)
+        os.close(buffered)
+        buf.close()
         supply.close()
 
 

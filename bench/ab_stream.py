@@ -103,7 +103,16 @@ def run(cap: MemoryCap, model: str, values: dict[str, Any], env: dict[str, str],
     return {"mean": statistics.mean(w), "median": statistics.median(w),
             "stall_ms": statistics.mean(out["stall_s"][args.warmup:]) * 1e3,
             "mgmt_ms": statistics.mean(out["mgmt"][args.warmup:]) * 1e3,
-            "mib": sum(out["reads"][args.warmup:]) / len(w) / MIB}
+            "mib": sum(out["reads"][args.warmup:]) / len(w) / MIB,
+            # the engine's read rate: its bytes over the time it waited for them (a serial
+            # run's; an overlapped run waits for only part of its reads: 0, printed "-")
+            "rd_mibps": 0.0 if spec["values"].get("overlap") else (
+                sum(out["reads"][args.warmup:]) / MIB
+                / max(1e-9, sum(out["io"][args.warmup:])))}
+
+
+def rate(mibps: float) -> str:
+    return f"{mibps:.0f}" if mibps else "-"
 
 
 def main(argv: list[str]) -> int:
@@ -142,7 +151,8 @@ def main(argv: list[str]) -> int:
                 rows[name].append(row)
                 print(f"round {r} {name:12s} mean {row['mean']:.4f} median {row['median']:.4f} "
                       f"s/tok  stall {row['stall_ms']:.1f} ms  mgmt {row['mgmt_ms']:.1f} ms  "
-                      f"{row['mib']:.1f} MiB/tok  ({time.monotonic() - t0:.0f} s)", flush=True)
+                      f"{row['mib']:.1f} MiB/tok  rd {rate(row['rd_mibps']):>5s} MiB/s  "
+                      f"({time.monotonic() - t0:.0f} s)", flush=True)
         print(f"disk (after): {direct_read_rate(path, 1 << 20, 512, 4) / MIB:.0f} MiB/s")
     finally:
         cap.remove()
@@ -151,14 +161,15 @@ def main(argv: list[str]) -> int:
             group.rmdir()
     base = statistics.mean(r["mean"] for r in rows[variants[0][0]])
     print(f"\n{'variant':12s} {'mean':>7s} {'median':>7s} {'stall ms':>8s} {'mgmt ms':>7s} "
-          f"{'x base':>6s}   (means over {args.rounds} rounds of each run's mean, median "
-          f"of medians; {args.tokens} tokens, the first {args.warmup} not counted)")
+          f"{'x base':>6s} {'rd MiB/s':>8s}   (means over {args.rounds} rounds of each run's "
+          f"mean, median of medians; {args.tokens} tokens, the first {args.warmup} not counted)")
     for name, *_ in variants:
         rs = rows[name]
         mean = statistics.mean(r["mean"] for r in rs)
         print(f"{name:12s} {mean:7.4f} {statistics.median(r['median'] for r in rs):7.4f} "
               f"{statistics.mean(r['stall_ms'] for r in rs):8.1f} "
-              f"{statistics.mean(r['mgmt_ms'] for r in rs):7.1f} {mean / base:6.3f}")
+              f"{statistics.mean(r['mgmt_ms'] for r in rs):7.1f} {mean / base:6.3f} "
+              f"{rate(statistics.mean(r['rd_mibps'] for r in rs)):>8s}")
     return 0
 
 

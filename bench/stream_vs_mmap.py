@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     MIB,
     MemoryCap,
+    burst_read_rate,
     consecutive_overlap,
     direct_read_rate,
     drop_caches,
@@ -78,6 +79,9 @@ STAT_KEYS = ("read_bytes", "hits", "misses", "io_s", "mgmt_s", "stall_s", "spec_
 RUNS: dict[str, dict[str, Any]] = {
     "mmap": {"moe-stream": False, "repack": "off"},
     "auto": {"moe-stream": True, "cache-mb": "auto", "cache-policy": "lru"},
+    # `auto` reading into pages carved from huge pages (kept on with expert slots)
+    "auto+huge": {"moe-stream": True, "cache-mb": "auto", "cache-policy": "lru",
+                  "huge-pages": True},
     "next-use": {"moe-stream": True, "cache-mb": "auto", "cache-policy": "next-use"},
     "auto+prefetch": {"moe-stream": True, "cache-mb": "auto", "prefetch": 1},
     "auto+prefetch+overlap": {"moe-stream": True, "cache-mb": "auto", "overlap": True},
@@ -381,7 +385,10 @@ def bench(args: argparse.Namespace) -> int:
                 **{**vars(args), "tokens": args.mmap_tokens})
             results[name] = run_one(name, values, model, run_args, cap)
         rates.append(disk_rate(model, args, "after"))
-        report(results, max(rates), args, size, limit)
+        serial = next((results[n] for n in ("auto", "auto+huge", "next-use") if n in results),
+                      None)
+        burst = burst_rate(model, serial, args)
+        report(results, max(rates), args, size, limit, burst)
         if args.json:
             Path(args.json).write_text(json.dumps(
                 {k: {kk: vv for kk, vv in v.items() if kk != "routing"}
@@ -401,6 +408,21 @@ def disk_rate(model: Path, args: argparse.Namespace, when: str) -> float:
     print(f"disk ({when}): {rate / MIB:.0f} MiB/s (512 random 1 MiB O_DIRECT reads over "
           f"{args.io_threads} lanes)", flush=True)
     return rate
+
+
+def burst_rate(model: Path, auto: dict[str, Any] | None,
+               args: argparse.Namespace) -> float:
+    """The disk's rate in a serial run's pattern (`auto`'s): bursts of as many experts
+    as it missed per layer, each waited for (`_common.burst_read_rate`); 0 without one."""
+    if auto is None or not auto.get("unit_bytes"):
+        return 0.0
+    n_layer = max(1, len(auto["routing"][0]) if auto.get("routing") else 1)
+    per = max(1, round(auto["mib_tok"] * MIB / auto["unit_bytes"] / n_layer))
+    burst, at_once = burst_read_rate(model, per, 400, args.io_threads)
+    print(f"disk, a layer's misses at a time ({per} experts of the model, all their slices, "
+          f"each burst waited for): {burst / MIB:.0f} MiB/s; the same reads queued at once "
+          f"{at_once / MIB:.0f} MiB/s ({burst / at_once:.0%})", flush=True)
+    return burst
 
 
 def run_uncapped(name: str, values: dict[str, Any], model: Path, args: argparse.Namespace,
@@ -423,7 +445,7 @@ def run_uncapped(name: str, values: dict[str, Any], model: Path, args: argparse.
 
 
 def report(results: dict[str, Any], rate: float, args: argparse.Namespace, size: int,
-           limit: int) -> None:
+           limit: int, burst: float = 0.0) -> None:
     auto = results.get("auto")
     compute = results["compute"]["median"]
     print()
@@ -456,7 +478,7 @@ def report(results: dict[str, Any], rate: float, args: argparse.Namespace, size:
     print()
     print(f"{'run':22s} {'s/tok med':>9s} {'p90':>7s} {'tok/s':>6s} {'MiB/tok':>7s} "
           f"{'hit %':>5s} {'x mmap':>6s} {'x auto':>6s} {'/floor':>6s} {'/ovfl':>6s} "
-          f"{'/own':>5s} {'load s':>6s} {'rd MiB/s':>8s} {'/disk':>5s}")
+          f"{'/own':>5s} {'load s':>6s} {'rd MiB/s':>8s} {'/disk':>5s} {'/burst':>6s}")
     base = results.get("mmap", {}).get("median")
     for name in RUNS:
         r = results.get(name)
@@ -473,24 +495,28 @@ def report(results: dict[str, Any], rate: float, args: argparse.Namespace, size:
         xw = f"{r['median'] / own:.2f}" if own else "-"
         print(f"{name:22s} {r['median']:9.4f} {r['p90']:7.4f} {1 / r['median']:6.2f} "
               f"{r['mib_tok']:7.1f} {hit:>5s} {xm:>6s} {xa:>6s} {xf:>6s} {xo:>6s} "
-              f"{xw:>5s} {r['load_s']:6.1f} {engine_rate(r, rate)}")
+              f"{xw:>5s} {r['load_s']:6.1f} {engine_rate(r, rate, burst)}")
     print("(/floor, /ovfl: against the floors above, from Belady's bytes; /own: against the "
           "run's own overlapped floor, max(its MiB/tok at the disk's rate, compute))")
     print(f"(rd MiB/s: the engine's expert bytes / the time it waited for them, runs whose "
           f"reads are not overlapped with compute; /disk: that against the disk's "
-          f"{rate / MIB:.0f} MiB/s, {args.io_threads} lanes of 1 MiB O_DIRECT reads)")
+          f"{rate / MIB:.0f} MiB/s, {args.io_threads} lanes of 1 MiB O_DIRECT reads; /burst: "
+          f"against the disk's own rate for a layer's misses at a time, "
+          f"{burst / MIB:.0f} MiB/s)")
     print(f"(cap {limit / 2**30:.2f} GiB on a {size / 2**30:.2f} GiB file; {args.tokens} "
           f"tokens per run ({args.mmap_tokens} for mmap), the first {args.warmup} not timed; "
           f"{args.threads} compute threads, {args.io_threads} read lanes; overlap run: depth "
           f"{args.depth}, spec-gate {args.spec_gate}; compute floor {compute:.4f} s/tok)")
 
 
-def engine_rate(r: dict[str, Any], disk: float) -> str:
-    """The engine's achieved read rate beside the disk's, as table cells."""
+def engine_rate(r: dict[str, Any], disk: float, burst: float = 0.0) -> str:
+    """The engine's achieved read rate beside the disk's (and the disk's in bursts of a
+    layer's misses), as table cells."""
     rate = r.get("read_rate", 0.0)
     if not rate or r.get("summary", {}).get("overlap"):
-        return f"{'-':>8s} {'-':>5s}"
-    return f"{rate / MIB:8.0f} {rate / disk:5.0%}"
+        return f"{'-':>8s} {'-':>5s} {'-':>6s}"
+    b = f"{rate / burst:6.0%}" if burst else f"{'-':>6s}"
+    return f"{rate / MIB:8.0f} {rate / disk:5.0%} {b}"
 
 
 if __name__ == "__main__":
