@@ -444,9 +444,9 @@ class ExpertStreamer:
         Needs a cache that turns over; the C lanes' queue (their exact reads: a slot's
         neighbours are other experts than the file's), which read-ahead or a prompt's
         read-ahead starts (so a serial run, without read-ahead, has slots too); slices
-        of whole pages (a direct read lands in any slot only then); and a model family whose routing is
-        read by nothing but the weights' gather and the expert matmuls (`SLOT_ARCHS`;
-        the first graph is checked again)."""
+        of whole pages (a direct read lands in any slot only then); and a model family
+        whose routing is read by nothing but the weights' gather and the expert matmuls
+        (`SLOT_ARCHS`; the first graph is checked again)."""
         lay, why = self.layout, ""
         if os.environ.get(SLOTS_ENV, "").strip() == "0":
             why = f"{SLOTS_ENV}=0"
