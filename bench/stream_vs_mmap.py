@@ -158,9 +158,8 @@ BENCH_DIR = os.path.expanduser("~/.cache/bmoe-bench")   # where the benchmark mo
 
 
 # Slices of real models: every dimension exact but the layer count (`--layers`, default
-# 12), written by the model maker (qwen3moe layout) and quantized by llama.cpp. The model
-# maker has no gpt-oss architecture: its shape is gpt-oss-120b's experts, attention and
-# embedding widths in a qwen3moe file, so the expert slices read are the real model's.
+# 12), written by the model maker in the model's own layout (qwen3moe; gpt-oss, with its
+# biases, attention sinks and sliding-window layers) and quantized by llama.cpp.
 # Qwen3 goes through llama.cpp's whole-file quantizer (its Q4_K_M mix: ffn_down in Q6_K on
 # some layers); gpt-oss's experts are quantized to MXFP4 by llama.cpp's row quantizer as
 # they are written (`expert_dtype`: byte-identical to what the file quantizer writes for
@@ -170,7 +169,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "n_head_kv": 4, "head_dim": 128, "quant": "Q4_K_M", "dtype": "f16"},
     "gpt-oss-120b": {"embd": 2880, "experts": 128, "top_k": 4, "ff_exp": 2880, "n_head": 64,
                      "n_head_kv": 8, "head_dim": 64, "quant": "MXFP4_MOE", "dtype": "q8_0",
-                     "expert_dtype": "mxfp4"},
+                     "expert_dtype": "mxfp4", "arch": "gpt-oss"},
 }
 
 
@@ -199,6 +198,7 @@ def apply_shape(args: argparse.Namespace) -> None:
     args.quant = shape["quant"] if shape else ""
     args.n_head, args.n_head_kv, args.head_dim = 8, 4, 128
     args.expert_dtype = ""
+    args.arch = "qwen3moe"
     if shape:
         for k, v in shape.items():
             if k != "quant":
@@ -234,13 +234,19 @@ def make_shape_model(args: argparse.Namespace) -> Path:
     from bmoe.modelmaker import make_model
     from bmoe.modelmaker.quantize import quantize
 
+    from bmoe.engine.experts.layout import read_layout
+
     path = Path(args.dir) / f"{args.shape}-{args.layers}L-{args.quant.lower()}.gguf"
     if path.exists() and args.keep:
-        print(f"model: reusing {path}", flush=True)
-        return path
+        if read_layout(path).arch == args.arch:
+            print(f"model: reusing {path}", flush=True)
+            return path
+        print(f"model: {path.name} has another layout than {args.arch}'s: written again",
+              flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    shape = dict(n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
+    shape = dict(arch=args.arch, n_layer=args.layers, n_expert=args.experts,
+                 n_expert_used=args.top_k,
                  n_embd=args.embd, n_ff_exp=args.ff_exp, n_ff=args.ff_exp,
                  n_head=args.n_head, n_head_kv=args.n_head_kv, head_dim=args.head_dim,
                  dtype=args.dtype, router_skew=args.router_skew,

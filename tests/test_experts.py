@@ -62,6 +62,14 @@ MOE = dict(n_layer=4, n_embd=128, n_expert=8, n_expert_used=4, n_ff_exp=64,
            residual_scale=0.3)
 
 
+# gpt-oss's layout (F16 routers, so read-ahead guesses by them): 4 layers x 16 experts,
+# top-4; an expert is 3 x 256 x 128 MXFP4 (51 KiB, 12.75 pages: no slots), all experts
+# 3.2 MiB, a token cycle 816 KiB, a layer 816 KiB: a 2 MiB cache evicts and holds two
+# layers of a prompt batch
+OSS = dict(MOE, n_expert=16, n_ff_exp=256, head_dim=64, dtype="f16", expert_dtype="mxfp4",
+           router_skew=1.0, context_mix=1.5, seed=4)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("experts")
@@ -74,6 +82,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "moe-wide": make_model(d / "moe-wide.gguf", n_layer=2, n_embd=512, n_expert=8,
                                n_expert_used=4, n_ff_exp=512, dtype="f16", residual_scale=0.3,
                                seed=5),
+        # gpt-oss's layout: biases on the router and on every expert's outputs (read by
+        # the expert ids: add_id), attention sinks, sliding-window layers; MXFP4 experts
+        "moe-oss": make_model(d / "moe-oss.gguf", arch="gpt-oss", **OSS),
         # slices of 500,000 bytes: their interiors are 122 or 123 pages, by their phase
         "moe-odd": make_model(d / "moe-odd.gguf", n_layer=2, n_embd=500, n_expert=8,
                               n_expert_used=4, n_ff_exp=500, dtype="f16", residual_scale=0.3,
@@ -160,7 +171,7 @@ def streamed(path: Path, check: Callable[[ExpertStreamer], None] | None = None,
 # -- the gates: byte-identical greedy tokens ---------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["moe", "moe-f16"])
+@pytest.mark.parametrize("name", ["moe", "moe-f16", "moe-oss"])
 def test_cache_off_matches_resident(models: dict[str, Path], name: str) -> None:
     def check(st: ExpertStreamer) -> None:
         assert st.summary()["cache_hit_pct"] == -1
@@ -169,7 +180,8 @@ def test_cache_off_matches_resident(models: dict[str, Path], name: str) -> None:
     assert streamed(models[name], check, **{"cache-mb": 0}) == resident(models, name)
 
 
-def test_small_cache_evicts_and_matches(models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("name", ["moe", "moe-oss"])
+def test_small_cache_evicts_and_matches(models: dict[str, Path], name: str) -> None:
     def check(st: ExpertStreamer) -> None:
         s = st.summary()
         assert s["cache_budget_mib"] == 2.0
@@ -177,7 +189,7 @@ def test_small_cache_evicts_and_matches(models: dict[str, Path]) -> None:
         assert s["cache_resident_mib"] <= 2.0
         assert 0 < s["cache_hit_pct"] < 100
 
-    assert streamed(models["moe"], check, **{"cache-mb": 2}) == resident(models, "moe")
+    assert streamed(models[name], check, **{"cache-mb": 2}) == resident(models, name)
 
 
 def test_auto_cache_matches(models: dict[str, Path]) -> None:
@@ -215,7 +227,7 @@ def test_a_prompt_longer_than_a_prefill_chunk_matches(models: dict[str, Path]) -
         ref.close()
 
 
-@pytest.mark.parametrize("name", ["moe", "moe-f16"])
+@pytest.mark.parametrize("name", ["moe", "moe-f16", "moe-oss"])
 @pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "on-demand"])
 def test_prefill_read_ahead_matches(models: dict[str, Path], name: str, ahead: bool) -> None:
     """A long prompt under a small cache: with prompt read-ahead the next layer's experts
@@ -224,7 +236,8 @@ def test_prefill_read_ahead_matches(models: dict[str, Path], name: str, ahead: b
     not: every expert of the next layer, as a batch routes to nearly all)."""
     long = [{"role": "user", "content": "Tell me about the weather in every city. " * 90}]
     ref = Session(models[name], dict(BASE, **{"ctx-size": 2048}))
-    cap = 2 if name == "moe" else 1    # below every expert (3 / 1.5 MiB), two layers' sets
+    # below every expert (3 / 1.5 / 3.2 MiB), two layers' sets
+    cap = {"moe": 2, "moe-f16": 1, "moe-oss": 2}[name]
     s = open_session(models[name], **STREAM, **{"cache-mb": cap, "ctx-size": 2048,
                                                 "prefill-ahead": ahead})
     try:
@@ -339,6 +352,24 @@ def test_read_ahead_matches(models: dict[str, Path], values: dict[str, Any]) -> 
         == resident(models, "moe")
 
 
+@pytest.mark.parametrize("values", [
+    {"prefetch": 2, "overlap": True},
+    {"prefetch": 1, "overlap": True, "cache-policy": "reuse"},
+], ids=["depth2-overlap", "reuse"])
+def test_read_ahead_on_gpt_oss_matches(models: dict[str, Path], values: dict[str, Any]) -> None:
+    """gpt-oss's experts have biases the graph adds by the same expert ids (add_id) after
+    the matmuls: the streamed experts and the resident biases still meet, and the router's
+    own bias is in the guesses (C and numpy)."""
+    def check(st: ExpertStreamer) -> None:
+        check_read_ahead(st)
+        assert st.layout.arch == "gpt-oss"
+        assert "with 4 routers' biases, guessed in C" in st.load_info["predictor"]
+        assert st.summary()["cache_evictions"] > 0
+
+    assert streamed(models["moe-oss"], check, **{"cache-mb": 2, **values}) \
+        == resident(models, "moe-oss")
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_wrong_guesses_only_cost_bandwidth(models: dict[str, Path], overlap: bool) -> None:
     s = open_session(models["moe"], **STREAM, **{"cache-mb": 2, "prefetch": 2,
@@ -421,7 +452,7 @@ class RouterProbe:
     def _eval(self, t: int, ask: bool, _user: Any) -> bool:
         name = ctypes.string_at(t + ggml.OFF_NAME).decode()
         kind = name.rsplit("-", 1)[0]
-        if kind not in ("ffn_moe_topk", "ffn_moe_logits", "ffn_norm"):
+        if kind not in ("ffn_moe_topk", "ffn_moe_logits", "ffn_norm", "attn_post_norm"):
             return False
         if ask:
             return True
@@ -471,8 +502,11 @@ def teacher_forced(session: Session, tokens: list[int], each: Callable[[int], No
         each(i - 1)
 
 
-def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path]) -> None:
-    path = models["moe-f16"]
+@pytest.mark.parametrize("name", ["moe-f16", "moe-oss"])
+def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path], name: str) -> None:
+    """The routing the streamer captures is llama.cpp's: the top k of the router's logits
+    (W h, plus the router's bias in gpt-oss, whose FFN input is `attn_post_norm`)."""
+    path = models[name]
     probe = RouterProbe()
     plain = Session(path, dict(BASE), lambda _s: probe)
     s = open_session(path, **STREAM, **{"cache-mb": 0})
@@ -484,6 +518,11 @@ def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path]) -> None:
     reader = gguf.GGUFReader(path)
     routers = {int(t.name.split(".")[1]): np.array(t.data, dtype=np.float32)
                for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
+    biases = {int(t.name.split(".")[1]): np.array(t.data, dtype=np.float32)
+              for t in reader.tensors if t.name.endswith("ffn_gate_inp.bias")}
+    assert bool(biases) == (name == "moe-oss")
+    assert all(np.abs(b).max() > 0.05 for b in biases.values())   # they move the choice
+    norm = "attn_post_norm" if biases else "ffn_norm"
     k = read_layout(path).n_expert_used
     by_llama: list[np.ndarray] = []
 
@@ -492,10 +531,12 @@ def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path]) -> None:
         for layer, w in sorted(routers.items()):
             ids = probe.rows[f"ffn_moe_topk-{layer}"][-1]
             logits = probe.rows[f"ffn_moe_logits-{layer}"][-1]
-            hidden = probe.rows[f"ffn_norm-{layer}"][-1]
+            hidden = probe.rows[f"{norm}-{layer}"][-1]
             # the router's logits are W_gate_inp @ its input, and topk is their top k
+            # (after the router's bias, where it has one)
             np.testing.assert_allclose(w @ hidden, logits, rtol=2e-3, atol=2e-3)
-            assert set(ids.tolist()) == set(np.argsort(-logits, kind="stable")[:k].tolist())
+            chosen = logits + biases.get(layer, 0.0)
+            assert set(ids.tolist()) == set(np.argsort(-chosen, kind="stable")[:k].tolist())
             layers.append(ids)
         by_llama.append(np.array(layers))
 
@@ -513,6 +554,43 @@ def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path]) -> None:
     finally:
         s.close()
         plain.close()
+
+
+def _consecutive_overlap(path: Path, text: str) -> float:
+    """The share of a layer's experts a token keeps from the token before, teacher-forced
+    through llama.cpp with the streamer's routing capture."""
+    s = open_session(path, **STREAM, **{"cache-mb": 0})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        st.record_routing = True
+        tokens = s.tokenize(text)
+        for i in range(1, len(tokens) + 1):
+            st.token_begin()
+            s.prefill(tokens[:i], threading.Event())
+            st.token_end()
+        r = np.array(st.routing)
+        k = r.shape[2]
+        return float(np.mean([len(set(r[t, j]) & set(r[t - 1, j])) / k
+                              for t in range(1, len(r)) for j in range(r.shape[1])]))
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_the_context_kernel_makes_consecutive_tokens_share_experts(
+        tmp_path: Path, arch: str) -> None:
+    """The model maker's context kernel (layer 0's attention over the last few tokens)
+    makes consecutive tokens share experts as real text does, in gpt-oss's attention (no
+    Q/K norms, sinks) as in qwen3's: measured 0.46 against 0.16 without it, for both."""
+    text = ("The quick brown fox jumps over the lazy dog. Then it started to rain in Paris, "
+            "and the people in the streets opened their umbrellas while the cafes filled.")
+    shape = dict(arch=arch, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                 n_expert=32, n_expert_used=4, n_ff_exp=64, dtype="f16", router_skew=1.0)
+    plain = _consecutive_overlap(make_model(tmp_path / "plain.gguf", **shape), text)
+    mixed = _consecutive_overlap(make_model(tmp_path / "ctx.gguf", context_mix=1.5, **shape),
+                                 text)
+    assert plain < 0.25 and mixed > plain + 0.15, (plain, mixed)
 
 
 # -- the budget, load errors, fallbacks ----------------------------------------------------
@@ -835,31 +913,40 @@ def test_a_failure_in_the_native_callback_is_an_error_and_the_session_recovers(
 
 
 def numpy_guess(routers: dict[int, np.ndarray], n_layer: int, k: int, depth: int, gate: float,
-                layer: int, h: np.ndarray | None) -> list[tuple[int, list[int]]]:
+                layer: int, h: np.ndarray | None,
+                biases: dict[int, np.ndarray] | None = None) -> list[tuple[int, list[int]]]:
     """What the numpy predictor guesses with the routers rounded to bfloat16, as C has them."""
     rounded = {j: evalcb.from_bf16(evalcb.to_bf16(w)) for j, w in routers.items()}
     return [(j, g.tolist()) for j, g in
-            Predictor(rounded, n_layer, k, depth, gate).guesses(layer, h)]
+            Predictor(rounded, n_layer, k, depth, gate, biases).guesses(layer, h)]
 
 
+@pytest.mark.parametrize("biased", [False, True], ids=["plain", "router-biases"])
 @pytest.mark.parametrize("gate", [0.0, 0.02])
-def test_c_guesses_equal_numpys_on_bfloat16_routers(gate: float) -> None:
+def test_c_guesses_equal_numpys_on_bfloat16_routers(gate: float, biased: bool) -> None:
+    """C's guesses are numpy's, with the routers' biases (gpt-oss) added to the logits
+    where a layer has one; the biases do change the guesses."""
     rng = np.random.default_rng(7)
     n_layer, n_expert, n_embd, k, depth = 6, 128, 2880, 4, 2
     routers = {j: rng.standard_normal((n_expert, n_embd), dtype=np.float32) * 0.05
                for j in (1, 2, 3, 5)}                      # layer 4 has no float router
+    biases = ({j: rng.standard_normal(n_expert, dtype=np.float32) * 2.0 for j in (1, 2, 5)}
+              if biased else None)                         # layer 3 has none
     cb = evalcb.NativeCallback(lambda *_: True, lambda _: 0)
-    assert cb.guess(routers, n_layer, n_expert, depth, k, gate)
-    compared = 0
+    assert cb.guess(routers, n_layer, n_expert, depth, k, gate, biases)
+    compared = changed = 0
     for trial in range(40):
         h = rng.standard_normal(n_embd, dtype=np.float32) * (1 + trial % 5)
         for layer in range(n_layer):
             rows = cb.guess_for(layer, h)
             pred = Predictor({}, n_layer, k, depth, gate)
             got = [(j, g.tolist()) for j, g in pred.from_rows(layer, rows)]
-            want = numpy_guess(routers, n_layer, k, depth, gate, layer, h)
+            want = numpy_guess(routers, n_layer, k, depth, gate, layer, h, biases)
             want = [(j, g) for j, g in want if j != 4]     # numpy falls back to "previous"
             assert got == want, (trial, layer)
+            unbiased = [(j, g) for j, g in numpy_guess(routers, n_layer, k, depth, gate,
+                                                        layer, h) if j != 4]
+            changed += unbiased != want
             for d in range(depth):                         # what C says of each next layer
                 j = layer + 1 + d
                 if j >= n_layer or j not in routers:
@@ -868,6 +955,7 @@ def test_c_guesses_equal_numpys_on_bfloat16_routers(gate: float) -> None:
                     assert 0 <= rows[d, 0] <= k
             compared += len(want)
     assert compared > 200
+    assert (changed > 0) == biased
     # where C had no router (-1), the layer's previous routing is the guess, as in numpy
     pred = Predictor({}, n_layer, k, depth, gate)
     pred.last[4] = np.array([5, 6, 7, 8])
@@ -876,7 +964,8 @@ def test_c_guesses_equal_numpys_on_bfloat16_routers(gate: float) -> None:
     assert [j for j, _ in pred.from_rows(3, rows)] == [4, 5][:1 + (rows[1, 0] > 0)]
     assert pred.from_rows(3, rows)[0][1].tolist() == [5, 6, 7, 8]
     if gate:          # flat logits: none passes the gate; a sharp router: some do
-        flat, sharp = (cb.guess_for(0, rng.standard_normal(n_embd, dtype=np.float32) * s)[0, 0]
+        # (layer 3, which has no bias to make its logits other than flat)
+        flat, sharp = (cb.guess_for(2, rng.standard_normal(n_embd, dtype=np.float32) * s)[0, 0]
                        for s in (0.01, 20))
         assert flat == 0 and 1 <= sharp <= k
 

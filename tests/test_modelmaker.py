@@ -24,6 +24,13 @@ DEEPSEEK_V3 = dict(arch="deepseek2", n_layer=3, q_lora_rank=64, kv_lora_rank=64,
                    expert_weights_scale=2.5, dtype="q8_0", router_skew=1.0)
 
 
+# gpt-oss as the released files have it: MXFP4 experts, the rest 8-bit, with the context
+# kernel (no Q/K norm: its scale is in the weights) and a short sliding window.
+GPT_OSS = dict(arch="gpt-oss", n_embd=128, n_head=2, n_head_kv=1, head_dim=64,
+               expert_dtype="mxfp4", dtype="q8_0", router_skew=1.5, context_mix=1.5,
+               sliding_window=64)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("mm")
@@ -39,6 +46,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "deepseek2": mm.make_model(d / "ds2.gguf", arch="deepseek2"),
         "deepseek2-v3": mm.make_model(d / "ds2-v3.gguf", **DEEPSEEK_V3),
+        "gpt-oss": mm.make_model(d / "oss.gguf", **GPT_OSS),
     }
 
 
@@ -167,6 +175,52 @@ def test_deepseek2_v3_options(models: dict[str, Path]) -> None:
     assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == T.F32
 
 
+def test_gpt_oss_keys_and_tensor_shapes(models: dict[str, Path]) -> None:
+    """The keys and tensors llama.cpp's gpt-oss loader reads (src/models/openai-moe.cpp):
+    attention biases and sinks, no Q/K norms, `post_attention_norm`, the router's and
+    the experts' biases (random: they change the routing and the output)."""
+    kv, tensors = fields(models["gpt-oss"])
+    n_vocab = mm.build_vocab().size
+    assert kv["general.architecture"] == "gpt-oss"
+    expected = {
+        "embedding_length": 128, "block_count": 4, "attention.head_count": 2,
+        "attention.head_count_kv": 1, "attention.key_length": 64,
+        "attention.value_length": 64, "attention.sliding_window": 64, "expert_count": 8,
+        "expert_used_count": 2, "expert_feed_forward_length": 32,
+    }
+    for key, value in expected.items():
+        assert kv[f"gpt-oss.{key}"] == pytest.approx(value), key
+    assert "gpt-oss.feed_forward_length" not in kv
+    spec = json.loads(kv["bmoe.model_maker.spec"])
+    assert spec["sliding_window"] == 64 and spec["expert_bias"] == pytest.approx(0.1)
+    want = {"token_embd.weight": (128, n_vocab), "output.weight": (128, n_vocab),
+            "output_norm.weight": (128,)}
+    for i in range(4):
+        b = f"blk.{i}."
+        want |= {
+            b + "attn_norm.weight": (128,), b + "attn_q.weight": (128, 128),
+            b + "attn_k.weight": (128, 64), b + "attn_v.weight": (128, 64),
+            b + "attn_output.weight": (128, 128), b + "attn_q.bias": (128,),
+            b + "attn_k.bias": (64,), b + "attn_v.bias": (64,),
+            b + "attn_output.bias": (128,), b + "attn_sinks.weight": (2,),
+            b + "post_attention_norm.weight": (128,),
+            b + "ffn_gate_inp.weight": (128, 8), b + "ffn_gate_inp.bias": (8,),
+            b + "ffn_gate_exps.weight": (128, 32, 8), b + "ffn_up_exps.weight": (128, 32, 8),
+            b + "ffn_down_exps.weight": (32, 128, 8), b + "ffn_gate_exps.bias": (32, 8),
+            b + "ffn_up_exps.bias": (32, 8), b + "ffn_down_exps.bias": (128, 8),
+        }
+    assert {n: tuple(int(x) for x in t.shape) for n, t in tensors.items()} == want
+    assert tensors["blk.1.ffn_up_exps.weight"].tensor_type == T.MXFP4
+    assert tensors["blk.1.attn_q.weight"].tensor_type == T.Q8_0
+    for name in ("ffn_gate_inp.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"):
+        bias = np.asarray(tensors[f"blk.1.{name}"].data)
+        assert tensors[f"blk.1.{name}"].tensor_type == T.F32 and bias.std() > 0.001, name
+    assert not np.asarray(tensors["blk.2.attn_q.bias"].data).any()
+    # the context kernel's layer has sinks that take nothing; the others' take a share
+    assert np.asarray(tensors["blk.0.attn_sinks.weight"].data).max() <= -30
+    assert not np.asarray(tensors["blk.1.attn_sinks.weight"].data).any()
+
+
 def test_other_archs_keep_their_spec_record() -> None:
     """deepseek2's fields stay out of other archs' spec record, so a qwen3moe file has the
     bytes it had before deepseek2 was added."""
@@ -174,6 +228,9 @@ def test_other_archs_keep_their_spec_record() -> None:
     assert not set(mm.MLA_FIELDS) & set(record)
     assert set(mm.MLA_FIELDS) <= set(writer._spec_record(mm.ModelSpec(arch="deepseek2")))
     assert "expert_dtype" not in record
+    assert not {"sliding_window", "expert_bias"} & set(record)
+    assert {"sliding_window", "expert_bias"} <= set(
+        writer._spec_record(mm.ModelSpec(arch="gpt-oss")))
     assert writer._spec_record(mm.ModelSpec(expert_dtype="mxfp4"))["expert_dtype"] == "mxfp4"
 
 
@@ -265,6 +322,10 @@ def test_spec_is_validated(tmp_path: Path) -> None:
         mm.ModelSpec(expert_dtype="q2_k")
     with pytest.raises(ValueError, match=r"mxfp4 experts need n_ff_exp \(48\)"):
         mm.ModelSpec(expert_dtype="mxfp4", n_ff_exp=48)
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        mm.ModelSpec(arch="gpt-oss", sliding_window=0)
+    with pytest.raises(ValueError, match="expert_bias must be >= 0"):
+        mm.ModelSpec(arch="gpt-oss", expert_bias=-1.0)
     with pytest.raises(ValueError, match="needs an architecture with experts"):
         mm.ModelSpec(arch="qwen3", expert_dtype="mxfp4")
     assert not list(tmp_path.iterdir())
@@ -291,6 +352,11 @@ def test_cli_and_demo_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     kv, tensors = fields(out)
     assert kv["deepseek2.attention.q_lora_rank"] == 32 and "blk.1.exp_probs_b.bias" in tensors
     assert kv["deepseek2.expert_shared_count"] == 2
+    assert mm.main_make_model(["--out", str(out), "--arch", "gpt-oss", "--sliding-window", "32",
+                               "--expert-bias", "0"]) == 0
+    kv, tensors = fields(out)
+    assert kv["gpt-oss.attention.sliding_window"] == 32
+    assert not np.asarray(tensors["blk.1.ffn_up_exps.bias"].data).any()
 
     path = mm.ensure_demo_model(tmp_path / "data")
     assert path == mm.demo_model_path(tmp_path / "data")
@@ -448,7 +514,7 @@ def llama_cpp() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize("key", ["moe", "dense", "moe-f16", "moe-q8", "dense-q8", "ctx",
-                                 "deepseek2", "deepseek2-v3"])
+                                 "deepseek2", "deepseek2-v3", "gpt-oss"])
 def test_llama_cpp_loads_and_generates(
     llama_cpp: Any, models: dict[str, Path], key: str
 ) -> None:

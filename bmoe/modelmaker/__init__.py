@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-`make_model` writes a qwen3moe (or dense qwen3, or deepseek2) file with the `gguf`
-package. The same arguments give the same bytes: every tensor chunk draws from its own SFC64
+`make_model` writes a qwen3moe (or dense qwen3, deepseek2 or gpt-oss) file with the
+`gguf` package. The same arguments give the same bytes: every tensor chunk draws from its own SFC64
 generator seeded by (seed, tensor name, chunk index), and no time or path goes into the file.
 
 *deepseek2* is DeepSeek V2/V3's layout as llama.cpp loads it: multi-head latent attention
@@ -15,6 +15,17 @@ beside `n_expert_shared` always-on shared experts, gated by softmax or sigmoid (
 with the expert-choice bias `exp_probs_b`, zero here). Its residual stream is built like
 qwen3moe's (embeddings dominate, small output projections), so routing follows the token;
 `context_mix` (written for qwen3's q/k-norm attention) is not offered for it.
+
+*gpt-oss* is gpt-oss-20b/120b's layout as llama.cpp loads it: attention with Q/K/V and
+output biases (zeros here) and a learnt sink logit per head (0, or -30 in the context
+kernel's layer so the kernel keeps its weights), no Q/K norms, sliding-window layers
+(`sliding_window` tokens; every other layer from layer 0) between full ones, the FFN's
+norm named `post_attention_norm`, a router with a bias, and experts with biases on their
+gate, up and down outputs (`expert_bias` their std), which llama.cpp adds by the same
+expert ids the matmuls read (`add_id`), then its clamped SwiGLU and the softmax over the
+chosen experts' logits. With `expert_dtype="mxfp4"` the experts are MXFP4 as in the
+released files. Its residual stream is built like qwen3moe's, and `context_mix` works:
+with no Q/K norm, the kernel's scale is in the Q and K weights.
 
 *Streaming.* All tensor infos are declared first, then header, metadata and tensor table
 are written, then each tensor is generated and written chunk by chunk (one expert, or a few

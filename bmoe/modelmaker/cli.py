@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bmoe-cli make-model",
         description="Write a deterministic random-weight GGUF model "
-                    "(qwen3moe, qwen3 or deepseek2).",
+                    "(qwen3moe, qwen3, deepseek2 or gpt-oss).",
     )
     p.add_argument("--out", required=True, type=Path, help="output .gguf path")
     p.add_argument("--arch", choices=ARCHS, default="qwen3moe")
@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     mla.add_argument("--dense-lead", type=int, default=1, help="leading dense-FFN layers")
     mla.add_argument("--shared-experts", type=int, default=1)
     mla.add_argument("--gating", choices=GATING, default="softmax")
+    oss = p.add_argument_group("gpt-oss")
+    oss.add_argument("--sliding-window", type=int, default=128,
+                     help="tokens a sliding-window layer sees (every other layer, from 0)")
+    oss.add_argument("--expert-bias", type=float, default=0.1,
+                     help="std of the router's and the experts' biases (0: zeros)")
     return p
 
 
@@ -107,6 +112,8 @@ def main_make_model(argv: list[str]) -> int:
             n_expert_shared=args.shared_experts,
             expert_gating=args.gating,
         )
+    if args.arch == "gpt-oss":
+        params |= dict(sliding_window=args.sliding_window, expert_bias=args.expert_bias)
     started = time.monotonic()
     try:
         path = make_model(args.out, **params)

@@ -12,10 +12,10 @@ import numpy as np
 
 from bmoe.modelmaker.templates import FRAMINGS
 
-ARCHS = ("qwen3moe", "qwen3", "deepseek2")
+ARCHS = ("qwen3moe", "qwen3", "deepseek2", "gpt-oss")
 
 
-MOE_ARCHS = ("qwen3moe", "deepseek2")
+MOE_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
 
 
 DTYPES = ("f32", "f16", "q8_0")
@@ -30,6 +30,10 @@ EXPERT_DTYPES = ("", "mxfp4")
 
 
 GATING = ("softmax", "sigmoid")  # deepseek2's expert gating functions (llama.cpp's names)
+
+
+# The spec's fields only gpt-oss reads: left out of other archs' spec record, as MLA_FIELDS.
+GPT_OSS_FIELDS = ("sliding_window", "expert_bias")
 
 
 # The spec's fields only deepseek2 reads: left out of other archs' spec record, so their
@@ -153,6 +157,10 @@ class ModelSpec:
     expert_gating: str = "softmax"  # one of GATING
     expert_weights_scale: float = 1.0  # routed experts' weights multiplied by this
     expert_weights_norm: bool = False  # the top-k weights renormalised to sum to 1
+    # gpt-oss only (its attention alternates sliding-window and full layers, has biases
+    # and per-head sinks; its experts and router have biases, read by the expert ids)
+    sliding_window: int = 128  # tokens a sliding-window layer (every other, from 0) sees
+    expert_bias: float = 0.1  # std of the experts' and the router's biases (0: zeros)
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -180,6 +188,10 @@ class ModelSpec:
             yield "n_ff must be >= 1"
         if self.is_mla:
             yield from self._mla_problems()
+        if self.is_gpt_oss and self.sliding_window < 1:
+            yield "sliding_window must be >= 1 token"
+        if self.is_gpt_oss and self.expert_bias < 0:
+            yield "expert_bias must be >= 0"
         if self.expert_dtype:
             yield from self._expert_dtype_problems()
         if self.dtype == "q8_0":
@@ -262,6 +274,15 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.arch == "deepseek2"
+
+    @property
+    def is_gpt_oss(self) -> bool:
+        return self.arch == "gpt-oss"
+
+    @property
+    def ffn_norm_name(self) -> str:
+        """The norm before the FFN: gpt-oss calls it the post-attention norm."""
+        return "post_attention_norm" if self.is_gpt_oss else "ffn_norm"
 
     def has_experts(self, layer: int) -> bool:
         return self.is_moe and not (self.is_mla and layer < self.n_dense_lead)

@@ -101,7 +101,9 @@ def _plan(spec: ModelSpec, n_vocab: int) -> list[_Tensor]:
             plan += _context_attn_plan(spec, blk)
         else:
             plan += _attn_plan(spec, blk)
-        plan.append(_Tensor(blk + "ffn_norm.weight", (d,), f32, fill=1.0))
+        if spec.is_gpt_oss:
+            plan += _gpt_oss_attn_extras(spec, blk, il)
+        plan.append(_Tensor(f"{blk}{spec.ffn_norm_name}.weight", (d,), f32, fill=1.0))
         plan += _ffn_plan(spec, blk, il)
     plan += [
         _Tensor("output_norm.weight", (d,), f32, fill=1.0),
@@ -114,13 +116,37 @@ def _attn_plan(spec: ModelSpec, blk: str) -> list[_Tensor]:
     d, big, res = spec.n_embd, _QTYPES[spec.dtype], spec.residual_scale
     q_width, kv_width = spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
     f32 = gguf.GGMLQuantizationType.F32
-    return [
+    plan = [
         _Tensor(blk + "attn_q.weight", (q_width, d), big, std=d**-0.5),
         _Tensor(blk + "attn_k.weight", (kv_width, d), big, std=d**-0.5),
         _Tensor(blk + "attn_v.weight", (kv_width, d), big, std=d**-0.5),
         _Tensor(blk + "attn_output.weight", (d, q_width), big, std=res * q_width**-0.5),
+    ]
+    if spec.is_gpt_oss:     # no Q/K norms
+        return plan
+    return plan + [
         _Tensor(blk + "attn_q_norm.weight", (spec.head_dim,), f32, fill=1.0),
         _Tensor(blk + "attn_k_norm.weight", (spec.head_dim,), f32, fill=1.0),
+    ]
+
+
+# A gpt-oss sink logit that takes no share of the attention (exp(-30) beside scores near
+# 0): the context kernel's layer keeps the weights `context_kernel` computed.
+_NO_SINK = -30.0
+
+
+def _gpt_oss_attn_extras(spec: ModelSpec, blk: str, il: int) -> list[_Tensor]:
+    """gpt-oss's attention biases (zeros, as llama.cpp reads them) and per-head sinks: the
+    other layers' sinks at 0, a share of each head's attention as in the real model."""
+    d, f32 = spec.n_embd, gguf.GGMLQuantizationType.F32
+    q_width, kv_width = spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
+    sink = _NO_SINK if il == 0 and spec.context_mix > 0 else 0.0
+    return [
+        _Tensor(blk + "attn_q.bias", (q_width,), f32, fill=0.0),
+        _Tensor(blk + "attn_k.bias", (kv_width,), f32, fill=0.0),
+        _Tensor(blk + "attn_v.bias", (kv_width,), f32, fill=0.0),
+        _Tensor(blk + "attn_output.bias", (d,), f32, fill=0.0),
+        _Tensor(blk + "attn_sinks.weight", (spec.n_head,), f32, fill=sink),
     ]
 
 
@@ -130,11 +156,15 @@ def _context_attn_plan(spec: ModelSpec, blk: str) -> list[_Tensor]:
     q_width, kv_width = spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
     f32 = gguf.GGMLQuantizationType.F32
     sharp = context_kernel(spec).norm_weight
-    return [
+    plan = [
         _Tensor(blk + "attn_q.weight", (q_width, d), big, structured="ctx_qk"),
         _Tensor(blk + "attn_k.weight", (kv_width, d), big, structured="ctx_qk"),
         _Tensor(blk + "attn_v.weight", (kv_width, d), big, structured="ctx_v"),
         _Tensor(blk + "attn_output.weight", (d, q_width), big, structured="ctx_o"),
+    ]
+    if spec.is_gpt_oss:     # no Q/K norms: the scale is in the weights (_context_qk)
+        return plan
+    return plan + [
         _Tensor(blk + "attn_q_norm.weight", (spec.head_dim,), f32, fill=sharp),
         _Tensor(blk + "attn_k_norm.weight", (spec.head_dim,), f32, fill=sharp),
     ]
@@ -186,6 +216,16 @@ def _ffn_plan(spec: ModelSpec, blk: str, il: int) -> list[_Tensor]:
         _Tensor(blk + "ffn_up_exps.weight", (e, ff, d), exps, std=d**-0.5),
         _Tensor(blk + "ffn_down_exps.weight", (e, d, ff), exps, std=res * ff**-0.5),
     ]
+    if spec.is_gpt_oss:
+        # the router's bias, and each expert's biases (llama.cpp's add_id reads them by
+        # the same expert ids as the matmuls)
+        std = spec.expert_bias
+        plan += [
+            _Tensor(blk + "ffn_gate_inp.bias", (e,), router, std=std),
+            _Tensor(blk + "ffn_gate_exps.bias", (e, ff), router, std=std),
+            _Tensor(blk + "ffn_up_exps.bias", (e, ff), router, std=std),
+            _Tensor(blk + "ffn_down_exps.bias", (e, d), router, std=res * std),
+        ]
     if spec.is_mla:
         plan += _dense_ffn(spec, blk, ff * spec.n_expert_shared, "_shexp")
         if spec.expert_gating == "sigmoid":  # V3's expert-choice bias (zero: plain top-k)
@@ -250,7 +290,13 @@ def _router(spec: ModelSpec, layer: int) -> np.ndarray:
 def _context_qk(spec: ModelSpec, n_heads: int) -> np.ndarray:
     u = _shared_direction(spec)
     pattern = np.zeros(spec.head_dim)
-    pattern[list(context_kernel(spec).pairs)] = 1.0 / (SHARED_FRACTION * np.sqrt(spec.n_embd))
+    kernel = context_kernel(spec)
+    # Q and K read a*sqrt(d) along u (layer 0's normed input): 1 on the kernel's pairs
+    value = 1.0 / (SHARED_FRACTION * np.sqrt(spec.n_embd))
+    if spec.is_gpt_oss:
+        # no Q/K norm to scale them: the value qwen3's norm would give them, in the weights
+        value *= kernel.norm_weight * np.sqrt(spec.head_dim / len(kernel.pairs))
+    pattern[list(kernel.pairs)] = value
     return np.outer(np.tile(pattern, n_heads), u)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from bmoe.modelmaker.templates import chat_template
 
-from .spec import MLA_FIELDS, ModelSpec
+from .spec import GPT_OSS_FIELDS, MLA_FIELDS, ModelSpec
 from .vocab import Vocab, build_vocab
 from .weights import _chunks, _plan
 
@@ -41,6 +41,8 @@ def _add_metadata(w: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
         w.add_value_length(spec.head_dim)
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
+    if spec.is_gpt_oss:
+        w.add_sliding_window(spec.sliding_window)
     if spec.is_moe:
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
@@ -83,6 +85,9 @@ def _spec_record(spec: ModelSpec) -> dict[str, object]:
     record = asdict(spec)
     if not spec.is_mla:
         for label in MLA_FIELDS:
+            del record[label]
+    if not spec.is_gpt_oss:
+        for label in GPT_OSS_FIELDS:
             del record[label]
     if not spec.expert_dtype:      # files without it keep the bytes they had before it
         del record["expert_dtype"]

@@ -85,6 +85,7 @@ typedef struct {
     const uint8_t *g_has;      /* [g_layers]: 1 where the layer's router is in g_w */
     int32_t *g_out;            /* [g_depth][1 + g_k]: a count, then the ids */
     float *g_logits;           /* [g_experts] scratch */
+    const float *g_bias;       /* NULL, or the routers' biases [g_layers][g_experts] */
     int32_t g_layers, g_experts, g_embd, g_depth, g_k;
     float g_gate;
     uint64_t g_rows;           /* layers guessed here from their router */
@@ -285,6 +286,7 @@ EXPORT int bmoe_evalcb_guess(void *state, const uint16_t *w, const uint8_t *has,
         || n_embd <= 0 || depth <= 0 || depth > n_layer || k <= 0 || k > n_expert
         || !(gate >= 0.0f && gate <= 1.0f))
         return -1;
+    st->g_bias = NULL;         /* bmoe_evalcb_guess_bias sets them */
     st->g_has = has;
     st->g_out = out;
     st->g_logits = logits;
@@ -295,6 +297,18 @@ EXPORT int bmoe_evalcb_guess(void *state, const uint16_t *w, const uint8_t *has,
     st->g_k = k;
     st->g_gate = gate;
     st->g_w = w;
+    return 0;
+}
+
+/* The routers' biases for the guesses (float [n_layer][n_expert] as given to
+ * bmoe_evalcb_guess, 0 where a layer's router has none; owned by Python and kept alive
+ * by it), added to each guessed layer's logits as llama.cpp adds them before its top k
+ * (gpt-oss); NULL forgets them. 0, or -1 without guessing on. */
+EXPORT int bmoe_evalcb_guess_bias(void *state, const float *bias) {
+    state_t *st = state;
+    if (!st || st->magic != STATE_MAGIC || !st->g_w)
+        return -1;
+    st->g_bias = bias;
     return 0;
 }
 
@@ -375,6 +389,11 @@ static void guess_from(state_t *st, int32_t layer, const float *h) {
         }
         matvec_bf16(st->g_w + (size_t)j * (size_t)n_expert * (size_t)st->g_embd, h, n_expert,
                     st->g_embd, logits);
+        if (st->g_bias) {
+            const float *b = st->g_bias + (size_t)j * (size_t)n_expert;
+            for (int32_t e = 0; e < n_expert; e++)
+                logits[e] += b[e];
+        }
         float top = -INFINITY;
         for (int32_t e = 0; e < n_expert; e++)
             if (logits[e] > top)

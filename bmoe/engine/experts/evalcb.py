@@ -84,6 +84,8 @@ def _library() -> ctypes.CDLL:
                                           ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                                           ctypes.c_int32, ctypes.c_int32, ctypes.c_float,
                                           ctypes.c_void_p, ctypes.c_void_p]
+        lib.bmoe_evalcb_guess_bias.restype = ctypes.c_int
+        lib.bmoe_evalcb_guess_bias.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.bmoe_evalcb_guess_for.restype = ctypes.c_int
         lib.bmoe_evalcb_guess_for.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
         lib.bmoe_evalcb_slots.restype = ctypes.c_int
@@ -176,10 +178,11 @@ class NativeCallback:
                                            rows.shape[1]) == 0
 
     def guess(self, routers: dict[int, np.ndarray], n_layer: int, n_expert: int, depth: int,
-              k: int, gate: float) -> bool:
+              k: int, gate: float, biases: dict[int, np.ndarray] | None = None) -> bool:
         """Guess layers l+1 .. l+depth in C at each one-token routing of layer l, from
         `routers` (layer -> float [n_expert, n_embd]; kept here in bfloat16, rounded to
-        nearest). From the next graph on, `guess_rows[d]` holds, when `route` is called for
+        nearest) and their `biases` where they have them (layer -> float [n_expert],
+        added to the logits in float32). From the next graph on, `guess_rows[d]` holds, when `route` is called for
         layer l, the guess of layer l+1+d: a count, then that many ids, the most probable
         first; a count of -1 means no guess was made here (no router, or no router input
         in the graph), -2 a layer past the last. False (nothing changed) if the routers'
@@ -198,11 +201,24 @@ class NativeCallback:
                 has[layer] = 1
         rows = np.full((depth, 1 + k), -2, dtype=np.int32)
         logits = np.zeros(n_expert, dtype=np.float32)
+        bias = None
+        if biases and any(0 <= layer < n_layer for layer in biases):
+            if any(b.shape != (n_expert,) for b in biases.values()):
+                return False
+            bias = np.zeros((n_layer, n_expert), dtype=np.float32)
+            for layer, b in biases.items():
+                if 0 <= layer < n_layer:
+                    bias[layer] = b
         if self.lib.bmoe_evalcb_guess(self._state, w.ctypes.data, has.ctypes.data, n_layer,
                                       n_expert, n_embd, depth, k, float(gate),
                                       rows.ctypes.data, logits.ctypes.data) != 0:
             return False
-        self._guess_arrays = (w, has, logits)        # alive as long as C points at them
+        if bias is not None and self.lib.bmoe_evalcb_guess_bias(self._state,
+                                                                bias.ctypes.data) != 0:
+            self.lib.bmoe_evalcb_guess(self._state, None, 0, 0, 0, 0, 0, 0, 0.0, None, None)
+            return False
+        # alive as long as C points at them
+        self._guess_arrays = (w, has, logits) + ((bias,) if bias is not None else ())
         self.guess_rows = rows
         return True
 

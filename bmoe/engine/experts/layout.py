@@ -21,6 +21,7 @@ from ...models.probe import Header, Unreadable, read_file_header
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 _ROUTER_NAME = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
+_ROUTER_BIAS = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.bias$")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Layout:
     dense: tuple[tuple[int, int], ...]   # (offset, nbytes) of every other tensor
     # blk.<l>.ffn_gate_inp.weight: (layer, offset, nbytes, ggml type, n_expert, n_embd)
     routers: tuple[tuple[int, int, int, int, int, int], ...] = ()
+    # blk.<l>.ffn_gate_inp.bias (gpt-oss): (layer, offset, nbytes, ggml type, n_expert)
+    router_biases: tuple[tuple[int, int, int, int, int], ...] = ()
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -100,12 +103,16 @@ def _layout_of(path: Path, header: Header) -> Layout:
     experts: list[ExpertTensor] = []
     dense: list[tuple[int, int]] = []
     routers: list[tuple[int, int, int, int, int, int]] = []
+    biases: list[tuple[int, int, int, int, int]] = []
     for t in header.tensors:
         m = _EXPERT_NAME.match(t.name)
         n_bytes, offset = t.nbytes, header.header_bytes + t.offset
         r = _ROUTER_NAME.match(t.name)
         if r is not None and len(t.dims) == 2:
             routers.append((int(r.group(1)), offset, n_bytes, t.type, t.dims[1], t.dims[0]))
+        b = _ROUTER_BIAS.match(t.name)
+        if b is not None and len(t.dims) == 1:
+            biases.append((int(b.group(1)), offset, n_bytes, t.type, t.dims[0]))
         if m is None or len(t.dims) != 3:
             dense.append((offset, n_bytes))
             continue
@@ -122,7 +129,8 @@ def _layout_of(path: Path, header: Header) -> Layout:
     return Layout(path=path, file_size=path.stat().st_size, arch=arch,
                   n_layer=(max(t.layer for t in experts) + 1) if experts else 0,
                   n_expert=n_expert, n_expert_used=n_used, experts=tuple(experts),
-                  dense=tuple(sorted(dense)), routers=tuple(sorted(routers)))
+                  dense=tuple(sorted(dense)), routers=tuple(sorted(routers)),
+                  router_biases=tuple(sorted(biases)))
 
 
 def _int(value: Any) -> int:

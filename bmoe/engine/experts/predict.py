@@ -11,7 +11,8 @@ activation-aware prefetching in MoE-Infinity (Xue et al., 2024); `depth` N appli
 routers of l+1 .. l+N to the same h. Only the `k` most probable experts whose probability
 is at least `spec-gate` are guessed, the most probable first.
 
-Router weights are read once from the GGUF file (F32 or F16; a quantised router
+Router weights (and a router's bias, where it has one: gpt-oss) are read once from the
+GGUF file (F32 or F16; a quantised router
 falls back to the previous token's routing of that layer, as does a graph whose router
 input cannot be found). The cost is one [n_expert, n_embd] matrix-vector product per
 guessed layer, in numpy on the engine thread.
@@ -52,6 +53,24 @@ def read_routers(layout: Layout) -> dict[int, np.ndarray]:
             if w.size != n_expert * n_embd:
                 continue
             out[layer] = w.astype(np.float32).reshape(n_expert, n_embd)
+    finally:
+        os.close(fd)
+    return out
+
+
+def read_router_biases(layout: Layout) -> dict[int, np.ndarray]:
+    """layer -> the router's bias [n_expert] float32 (gpt-oss's routers have one, which
+    llama.cpp adds to the logits before its top k), for layers with a float bias."""
+    out: dict[int, np.ndarray] = {}
+    fd = os.open(layout.path, os.O_RDONLY)
+    try:
+        for layer, offset, nbytes, ggml_type, n_expert in layout.router_biases:
+            dtype = _FLOAT_TYPES.get(ggml_type)
+            if dtype is None or layer >= layout.n_layer or n_expert != layout.n_expert:
+                continue
+            b = np.frombuffer(os.pread(fd, nbytes, offset), dtype=dtype)
+            if b.size == n_expert:
+                out[layer] = b.astype(np.float32)
     finally:
         os.close(fd)
     return out
@@ -107,13 +126,14 @@ def router_rows(topk: ggml.GgmlTensor, layer: int) -> np.ndarray | None:
 
 
 def batch_guess(router: np.ndarray | None, h: np.ndarray | None, k: int,
-                n_expert: int, n_tok: int) -> np.ndarray:
+                n_expert: int, n_tok: int, bias: np.ndarray | None = None) -> np.ndarray:
     """A prompt batch's guess of the next layer's experts, most used first.
 
     With the next layer's router `router` [n_expert, n_embd] and this layer's router
-    input for every token `h` [n_tok, n_embd] (n_tok tokens): the union over the tokens of each one's
-    `k` most probable experts, ordered by how many tokens pick them (softmax keeps the
-    order, so the logits' top k are the probabilities'). Without them: every expert
+    input for every token `h` [n_tok, n_embd] (n_tok tokens): the union over the tokens of
+    each one's `k` most probable experts, ordered by how many tokens pick them (softmax
+    keeps the order, so the logits' top k are the probabilities'; the router's `bias`,
+    where it has one, is added first). Without them: every expert
     when the batch routes to more expert choices than the layer has (a 512-token batch
     with top-8 of 128 routes to nearly all of them), else nothing."""
     if router is None or h is None or router.shape[1] != h.shape[1] or not len(h):
@@ -121,6 +141,8 @@ def batch_guess(router: np.ndarray | None, h: np.ndarray | None, k: int,
             return np.arange(n_expert, dtype=np.int64)
         return np.zeros(0, dtype=np.int64)
     logits = h @ router.T                                    # [n_tok, n_expert]
+    if bias is not None and bias.shape == (logits.shape[1],):
+        logits += bias
     kk = min(k, logits.shape[1])
     top = np.argpartition(-logits, kk - 1, axis=1)[:, :kk]
     counts = np.bincount(top.ravel(), minlength=n_expert)
@@ -132,8 +154,9 @@ class Predictor:
     """Guesses of layers l+1 .. l+depth from layer l's router input."""
 
     def __init__(self, routers: dict[int, np.ndarray], n_layer: int, k: int, depth: int,
-                 gate: float) -> None:
+                 gate: float, biases: dict[int, np.ndarray] | None = None) -> None:
         self.routers = routers
+        self.biases = biases or {}      # layer -> the router's bias (gpt-oss)
         self.n_layer = n_layer
         self.k = k
         self.depth = depth
@@ -170,6 +193,9 @@ class Predictor:
                     out.append((j, prev))
                 continue
             logits = w @ h
+            b = self.biases.get(j)
+            if b is not None and b.shape == logits.shape:
+                logits = logits + b
             p = np.exp(logits - logits.max())
             p /= p.sum()
             order = np.argsort(p if self.invert else -p, kind="stable")[: self.k]

@@ -86,7 +86,8 @@ from .budget import (
     shape_of,
 )
 from .cache import DEFAULT_POLICY, Admission, ExpertCache, NoCache
-from .predict import Predictor, batch_guess, read_routers, router_input, router_rows
+from .predict import (Predictor, batch_guess, read_router_biases, read_routers, router_input,
+                      router_rows)
 from .layout import ExpertTensor, Layout
 from .memory import (
     PAGE,
@@ -170,6 +171,7 @@ class ExpertStreamer:
         self.fill = bool(values.get("cache-fill", True))
         self.prefill_ahead = bool(values.get("prefill-ahead", True))
         self._batch_routers: dict[int, np.ndarray] | None = None   # set: prefill reads ahead
+        self._batch_biases: dict[int, np.ndarray] = {}      # their biases (gpt-oss)
         self._filling: set[tuple[int, int]] = set()    # units a background fill reads
         self._fill_units = 0                             # units the fill queued in all
         self._fill_bytes = 0                             # bytes it has read so far
@@ -420,17 +422,20 @@ class ExpertStreamer:
         assert self.reader is not None
         n_layer = self.layout.n_layer
         routers = read_routers(self.layout)
+        biases = read_router_biases(self.layout)
         self.predictor = Predictor(routers, n_layer, self.layout.n_expert_used, self.prefetch,
-                                   self.spec_gate)
+                                   self.spec_gate, biases)
         self._spec = np.zeros((n_layer, self.layout.n_expert), dtype=bool)
         self.queue = self.reader.start_queue()
         where = ""
         if self.native is not None and routers and self.native.guess(
                 routers, n_layer, self.layout.n_expert, self.prefetch,
-                self.layout.n_expert_used, self.spec_gate):
+                self.layout.n_expert_used, self.spec_gate, biases):
             where = ", guessed in C (bfloat16 routers)"
-        self.load_info["predictor"] = (f"router, {len(routers)} of {n_layer} layers{where}"
-                                       if routers else "previous token")
+        with_bias = f" with {len(biases)} routers' biases" if biases else ""
+        self.load_info["predictor"] = (
+            f"router, {len(routers)} of {n_layer} layers{with_bias}{where}"
+            if routers else "previous token")
 
     def _start_slots(self) -> None:
         """Expert slots (on where they work; `BMOE_EXPERT_SLOTS=0` off): a missed expert
@@ -579,6 +584,8 @@ class ExpertStreamer:
         routers = self.predictor.routers if self.predictor is not None else read_routers(
             self.layout)
         self._batch_routers = routers
+        self._batch_biases = (self.predictor.biases if self.predictor is not None
+                              else read_router_biases(self.layout))
         self.load_info["prefill_ahead"] = (
             f"the next layer's experts, guessed by its router ({len(routers)} of "
             f"{self.layout.n_layer} layers)" if routers else
@@ -957,7 +964,8 @@ class ExpertStreamer:
         c = self._turn if self._in_prefill else self._token
         router = self._batch_routers.get(nxt)
         h = router_rows(ggml.tensor_at(node), layer) if router is not None else None
-        guess = batch_guess(router, h, self.layout.n_expert_used, self.layout.n_expert, n)
+        guess = batch_guess(router, h, self.layout.n_expert_used, self.layout.n_expert, n,
+                            self._batch_biases.get(nxt))
         if len(guess):
             self._guess[nxt] = guess
             self._queue_guess(nxt, guess, 1, c)
