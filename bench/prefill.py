@@ -18,6 +18,8 @@ ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
              evicting pages)
   resident-1024  resident with a 1,024-token prompt batch (not in the default modes):
              what the plan's larger batch is worth without streaming
+  resident-2048  the same with 2,048 (the batch the plan picks on the gpt-oss-120b slice)
+  plan-lanes2    the plan with two read lanes instead of four
 
 The cap is `--cap-frac` of the file's size (default 0.4), a fresh memory cgroup per run
 (v1 or v2, `bmoe.machine.cgroup.MemoryCap`). Per run: prefill tokens per second (the
@@ -75,6 +77,13 @@ MODES = {
     # what the larger batch alone is worth, apart from streaming
     "resident-1024": (["--no-auto", "--no-moe-stream", "--batch-size", "1024",
                        "--ubatch-size", "1024"], False),
+    # the resident server at the prompt batch the plan picks under a 40 % cap on the
+    # gpt-oss-120b slice: what that batch costs the compute alone
+    "resident-2048": (["--no-auto", "--no-moe-stream", "--batch-size", "2048",
+                       "--ubatch-size", "2048"], False),
+    # the plan with two read lanes instead of four (fewer lanes preempting the compute
+    # threads, for reads that need a fraction of the disk's rate)
+    "plan-lanes2": (["--io-threads", "2"], True),
 }
 COUNTERS = {"read_bytes": "bmoe:expert_read_bytes_total",
             "ahead_bytes": "bmoe:expert_read_ahead_bytes_total",
@@ -277,7 +286,7 @@ def main(argv: list[str]) -> int:
                             f"passes ({r['ahead_bytes'] / MIB:.0f} MiB ahead), layers "
                             f"waited {r['wait_s']:.1f} s; read-ahead: "
                             f"{r.get('prefill_ahead') or 'off'}"
-                            if mode in ("stream", "plan") else
+                            if mode.startswith(("stream", "plan")) else
                             "experts read by the kernel (not counted)")
                     print(f"{mode:9s} {n:6d} tokens: {r['tok_s']:8.1f} tok/s "
                           f"({r['prefill_s']:.1f} s, ubatch {r.get('n_ubatch')}), {read}, "
