@@ -105,6 +105,17 @@ def test_a_dense_model_that_fits_is_resident() -> None:
     assert body["predicted"]["s_per_token"] > 0
 
 
+def test_a_tiny_models_predicted_time_is_never_rounded_to_nothing() -> None:
+    """A model of a few hundred KiB on a fast machine decodes in tens of microseconds:
+    the prediction keeps two significant digits rather than rounding to 0.0 (which the
+    plan screen shows as no prediction at all)."""
+    body = plan_for(dense_facts(200 * 1024), memory(4 * GIB)).to_json()
+    predicted = body["predicted"]
+    assert body["regime"] == "resident"
+    assert 0 < predicted["s_per_token"] < 0.0001
+    assert 0 < predicted["compute_s"] <= predicted["s_per_token_worst"]
+
+
 def test_a_dense_model_over_the_cap_will_not_fit() -> None:
     plan = plan_for(dense_facts(3 * GIB), memory(1 * GIB))
     assert plan.regime == "will_not_fit" and not plan.fits

@@ -670,6 +670,14 @@ def _hit(b: _Builder, cache: int) -> tuple[float, str, str]:
                            f"(the cache's share of the experts to the power 0.35; {why}).")
 
 
+def _seconds(s: float) -> float:
+    """A predicted time, to 0.1 ms, but never a positive time rounded to nothing: a tiny
+    model's token (tens of microseconds) keeps two significant digits, so a prediction
+    is never shown as missing."""
+    r = round(s, 4)
+    return r if r > 0 or s <= 0 else float(f"{s:.2g}")
+
+
 def _predict(b: _Builder, regime: str, cache: int, budget: int,
              whole: int) -> dict[str, float]:
     inp, p = b.inp, b.p
@@ -693,17 +701,17 @@ def _predict(b: _Builder, regime: str, cache: int, budget: int,
         # with read-ahead overlapped, a layer's reads run beside the layers computing
         s = max(compute, io) if overlap else compute + io
         out["cache_hit_pct"] = round(hit * 100, 1)
-        out["read_s"] = round(io, 4)
+        out["read_s"] = _seconds(io)
     elif regime == "plain mmap":
         held = max(0.0, min(1.0, (budget - RUNTIME_RESERVE) / whole)) if whole else 1.0
         slow = rate_s / MMAP_FAULT_SLOWDOWN if rate_s else 0.0
         s = compute + (active * (1 - held) / slow if slow else 0.0)
     else:
         s = compute
-    out["s_per_token"] = round(s, 4)
-    out["compute_s"] = round(compute, 4)
+    out["s_per_token"] = _seconds(s)
+    out["compute_s"] = _seconds(compute)
     if rate_s:
-        out["s_per_token_worst"] = round(compute + active / rate_s, 4)
+        out["s_per_token_worst"] = _seconds(compute + active / rate_s)
     measured = inp.costs.get(cost_key({**inp.values, **b.values}))
     if measured and measured.get("tokens", 0) >= MIN_MEASURED_TOKENS \
             and measured.get("s_per_token", 0) > 0:
