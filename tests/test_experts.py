@@ -502,6 +502,18 @@ def teacher_forced(session: Session, tokens: list[int], each: Callable[[int], No
         each(i - 1)
 
 
+def streamed_routing(s: Session, tokens: list[int]) -> np.ndarray:
+    """Teacher-force `tokens` one at a time through a streamed session whose streamer
+    records its routing; that routing, [tokens, layers, k]."""
+    st = s.streamer
+    assert isinstance(st, ExpertStreamer) and st.record_routing
+    for i in range(1, len(tokens) + 1):
+        st.token_begin()
+        s.prefill(tokens[:i], threading.Event())
+        st.token_end()
+    return np.array(st.routing)
+
+
 @pytest.mark.parametrize("name", ["moe-f16", "moe-oss"])
 def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path], name: str) -> None:
     """The routing the streamer captures is llama.cpp's: the top k of the router's logits
@@ -542,10 +554,7 @@ def test_routing_capture_is_llama_cpps_choice(models: dict[str, Path], name: str
 
     try:
         teacher_forced(plain, tokens, check_plain)
-        for i in range(1, len(tokens) + 1):
-            st.token_begin()
-            s.prefill(tokens[:i], threading.Event())
-            st.token_end()
+        streamed_routing(s, tokens)
         assert len(st.routing) == len(tokens) == len(by_llama)
         for got, want in zip(st.routing, by_llama, strict=True):
             np.testing.assert_array_equal(got, want)
@@ -561,15 +570,9 @@ def _consecutive_overlap(path: Path, text: str) -> float:
     through llama.cpp with the streamer's routing capture."""
     s = open_session(path, **STREAM, **{"cache-mb": 0})
     try:
-        st = s.streamer
-        assert isinstance(st, ExpertStreamer)
-        st.record_routing = True
-        tokens = s.tokenize(text)
-        for i in range(1, len(tokens) + 1):
-            st.token_begin()
-            s.prefill(tokens[:i], threading.Event())
-            st.token_end()
-        r = np.array(st.routing)
+        assert isinstance(s.streamer, ExpertStreamer)
+        s.streamer.record_routing = True
+        r = streamed_routing(s, s.tokenize(text))
         k = r.shape[2]
         return float(np.mean([len(set(r[t, j]) & set(r[t - 1, j])) / k
                               for t in range(1, len(r)) for j in range(r.shape[1])]))
