@@ -81,6 +81,10 @@ MODES = {
     # gpt-oss-120b slice: what that batch costs the compute alone
     "resident-2048": (["--no-auto", "--no-moe-stream", "--batch-size", "2048",
                        "--ubatch-size", "2048"], False),
+    # resident-2048 with llama.cpp's repacked-weight kernels off: the file's layout, the
+    # kernels a streamed expert runs
+    "resident-2048-norepack": (["--no-auto", "--no-moe-stream", "--batch-size", "2048",
+                                "--ubatch-size", "2048", "--no-repack"], False),
     # the plan with two read lanes instead of four (fewer lanes preempting the compute
     # threads, for reads that need a fraction of the disk's rate)
     "plan-lanes2": (["--io-threads", "2"], True),

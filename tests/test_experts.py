@@ -1672,3 +1672,58 @@ def test_expert_slots_stay_off_where_they_cannot_work(
         assert s["slot_swaps"] == 0 and st._perm is None
 
     assert streamed(models[name], check, **values) == resident(models, name)
+
+
+# -- repacked experts (repack.py) ---------------------------------------------------------
+
+# What the kernel choice says under `repack: on` here: repacked MXFP4 experts where it
+# allows llama.cpp's repacked kernels (not on AMX hosts: the choice is off there).
+REPACKED = {"repack": "on"}
+
+
+def resident_repacked(models: dict[str, Path], name: str) -> Turns:
+    """The resident engine with llama.cpp's own repacking at load (`repack: on`)."""
+    key = f"{name}+repack"
+    if key not in _reference:
+        s = Session(models[name], dict(BASE, **REPACKED))
+        try:
+            assert s.streamer is None
+            _reference[key] = conversation(s)
+        finally:
+            s.close()
+    return _reference[key]
+
+
+def repack_allowed() -> bool:
+    from bmoe.engine import kernels
+    return kernels.choose("on").extra_bufts
+
+
+@pytest.mark.parametrize("values", [
+    {"cache-mb": 0},
+    {"cache-mb": 2},
+    {"cache-mb": 2, "prefetch": 0},
+    {"cache-mb": 2, "prefill-ahead": False, "prefetch": 0},
+    {"load-all": True},
+    {"cache-mb": 64},
+], ids=["cache-off", "small-cache", "no-read-ahead", "serial", "load-all", "fill"])
+def test_repacked_experts_match_the_resident_repacked_engine(
+        models: dict[str, Path], values: dict[str, Any]) -> None:
+    """gpt-oss's MXFP4 experts, read and repacked by the streamer (by the C lanes where a
+    cache turns over, by the streamer after a read it waited on otherwise) and run by
+    llama.cpp's CPU_REPACK kernels: the greedy tokens and logits are the resident
+    engine's with llama.cpp's own repacking at load, byte for byte. Bytes repacked
+    wrong, or repacked bytes run by the file layout's kernels, would not be."""
+    allowed = repack_allowed()
+
+    def check(st: ExpertStreamer) -> None:
+        state = st.load_info["expert_repack"]
+        if allowed:
+            assert state.startswith("on: 12 of 12 expert tensors"), state
+            assert len(st._pack_kernels) == 12
+        else:
+            assert state.startswith("off: "), state
+        assert not st._unbound      # every expert tensor was bound (and handed over)
+
+    got = streamed(models["moe-oss"], check, **REPACKED, **values)
+    assert got == resident_repacked(models, "moe-oss")

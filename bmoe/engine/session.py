@@ -240,12 +240,21 @@ class Session:
         self.vision = open_vision(self)
 
     def _kernel_choice(self) -> KernelChoice:
-        """Whether this load may use llama.cpp's extra buffer types (`kernels`): never
-        under the streamer, which reads the file's own layout into its cache."""
+        """Whether this load may use llama.cpp's extra buffer types (`kernels`). Under the
+        streamer the load keeps the file's own layout (the streamer finds its experts at
+        their file offsets); the same choice then decides whether the streamer repacks
+        its MXFP4 experts itself (asked by it, only for such a model)."""
         mode = str(self.values.get("repack") or "auto")
         if self.streamer is not None:
+            allow = getattr(self.streamer, "allow_repack", None)
+            if allow is not None:
+                def experts() -> tuple[bool, str]:
+                    choice = kernels.choose(mode)
+                    return choice.extra_bufts, choice.reason
+                allow(experts)
             return KernelChoice(False, kernels.registered_extra_bufts(), mode, "streamer",
-                                "the expert streamer runs the file's own layout")
+                                "the expert streamer loads the file's own layout (its MXFP4 "
+                                "experts may be repacked as it reads them: expert_repack)")
         return kernels.within_memory(kernels.choose(mode), model_bytes(self.path),
                                      probe_memory().budget)
 

@@ -80,6 +80,13 @@ typedef struct {
     Item *it;
 } Entry;
 
+/* A buffer whose expert slices are rewritten in llama.cpp's repacked MXFP4 layout after
+   each read (see pack_mxfp4_8): [lo, hi) the buffer, `start` where its first expert's
+   bytes begin, `rowbytes` one weight row's bytes in the file's layout. */
+typedef struct {
+    int64_t lo, hi, start, rowbytes;
+} Pack;
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
@@ -98,6 +105,8 @@ typedef struct {
     int refused_errno;
     int recycle;
     int exact;            /* write only the slice's own bytes (see read_exact) */
+    Pack *packs;          /* buffers whose slices are repacked after their read */
+    Py_ssize_t n_packs;
     int64_t moved_bytes;
     double busy_s;        /* summed lane time spent on reads (under mu) */
     PyObject *on_error;
@@ -255,9 +264,60 @@ static int64_t read_exact(Lanes *q, Item *it) {
     return it->len;
 }
 
+/* MXFP4 rows in llama.cpp's CPU_REPACK layout for AVX2 / AVX-512 (`block_mxfp4x8`, the
+   layout `repack_mxfp4_to_mxfp4_8_bl` in ggml-cpu/repack.cpp writes at a resident load):
+   every 8 rows of `nb` 17-byte blocks (one exponent byte, 16 bytes of nibbles) become
+   `nb` 136-byte blocks: the 8 rows' exponents, then their nibbles in 8-byte pieces, row
+   by row, the first halves of the 8 rows before the second halves. The same bytes,
+   permuted inside each group of 8 rows, in place; `n` is whole groups. */
+static int pack_mxfp4_8(char *p, int64_t n, int64_t rowbytes) {
+    static __thread char *tmp = NULL;
+    static __thread int64_t tmp_n = 0;
+    int64_t group = 8 * rowbytes, nb = rowbytes / 17;
+    if (rowbytes <= 0 || rowbytes % 17 || n % group)
+        return -1;
+    if (tmp_n < group) {
+        char *t = realloc(tmp, (size_t)group);
+        if (!t)
+            return -1;
+        tmp = t;
+        tmp_n = group;
+    }
+    for (int64_t g = 0; g < n; g += group) {
+        char *d = p + g;
+        memcpy(tmp, d, (size_t)group);
+        for (int64_t x = 0; x < nb; x++) {
+            const char *blk = tmp + x * 17;
+            for (int i = 0; i < 8; i++)
+                d[i] = blk[i * rowbytes];
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 8; i++)
+                    memcpy(d + 8 + (h * 8 + i) * 8, blk + i * rowbytes + 1 + h * 8, 8);
+            d += 136;
+        }
+    }
+    return 0;
+}
+
+/* The item's slices repacked where its buffer is one of the lanes' packs: 0, or -1 when
+   the item is not whole groups of its buffer's rows (nothing is changed then). */
+static int pack_item(Lanes *q, Item *it) {
+    for (Py_ssize_t i = 0; i < q->n_packs; i++) {
+        Pack *k = &q->packs[i];
+        if (k->lo != it->lo || k->hi != it->hi)
+            continue;
+        int64_t group = 8 * k->rowbytes;
+        if (it->addr < k->start || (it->addr - k->start) % group || it->len % group
+            || it->addr + it->len > k->hi)
+            return -1;
+        return pack_mxfp4_8((char *)(intptr_t)it->addr, it->len, k->rowbytes);
+    }
+    return 0;
+}
+
 /* The item's page moves and read, without the lock. Returns the bytes read; on failure
    sets kind (and err, at). */
-static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
+static int64_t read_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
     for (int i = 0; i < it->nmoves; i++) {
         Move m = it->moves[i];
         if (__atomic_load_n(&q->recycle, __ATOMIC_RELAXED)) {
@@ -348,6 +408,16 @@ static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
             return 0;
         }
         got += n;
+    }
+    return got;
+}
+
+/* read_item, then the slices repacked where the buffer asks for it. */
+static int64_t run_item(Lanes *q, Item *it, int *kind, int *err, int64_t *at) {
+    int64_t got = read_item(q, it, kind, err, at);
+    if (!*kind && got > 0 && q->n_packs && pack_item(q, it) != 0) {
+        fail(KIND_READ, EINVAL, it->off, kind, err, at);
+        return 0;
     }
     return got;
 }
@@ -503,6 +573,7 @@ static void Lanes_dealloc(Lanes *self) {
     }
     free(self->heap);
     free(self->threads);
+    free(self->packs);
     Py_CLEAR(self->on_error);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -829,6 +900,59 @@ static PyObject *Lanes_close(Lanes *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* set_packs([(lo, hi, start, rowbytes), ...]): the buffers whose slices the lanes repack
+   after reading them (once, before the first read is queued). */
+static PyObject *Lanes_set_packs(Lanes *self, PyObject *arg) {
+    if (!self->sync_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "the lanes are not set up");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(arg, "set_packs takes a list of (lo, hi, start, rowbytes)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Pack *packs = n ? calloc((size_t)n, sizeof(Pack)) : NULL;
+    if (n && !packs) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long lo, hi, start, rowbytes;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LLLL", &lo, &hi, &start,
+                              &rowbytes)) {
+            free(packs);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (lo < 0 || hi <= lo || start < lo || start > hi || rowbytes <= 0 || rowbytes % 17) {
+            free(packs);
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "a pack's buffer or row size is wrong");
+            return NULL;
+        }
+        packs[i] = (Pack){lo, hi, start, rowbytes};
+    }
+    Py_DECREF(seq);
+    pthread_mutex_lock(&self->mu);
+    int busy = self->n_packs || self->n_heap;
+    if (!busy) {
+        self->packs = packs;
+        self->n_packs = n;
+    }
+    pthread_mutex_unlock(&self->mu);
+    if (busy) {
+        free(packs);
+        PyErr_SetString(PyExc_RuntimeError, "the packs are set once, before any read");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lanes_get_packs(Lanes *self, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(self->n_packs);
+}
+
 static PyObject *Lanes_get_busy(Lanes *self, void *c) {
     (void)c;
     double v = 0;
@@ -892,6 +1016,9 @@ static PyMethodDef Lanes_methods[] = {
      "Queue a group's reads not yet started again, at priority 0."},
     {"wait", (PyCFunction)Lanes_wait, METH_VARARGS,
      "wait(groups, timeout) -> bool: every group finished in time."},
+    {"set_packs", (PyCFunction)Lanes_set_packs, METH_O,
+     "set_packs([(lo, hi, start, rowbytes), ...]): buffers whose expert slices are "
+     "rewritten in llama.cpp's repacked MXFP4 layout after each read (set once)."},
     {"close", (PyCFunction)Lanes_close, METH_NOARGS,
      "Stop the lanes after the reads in progress; queued reads fail their groups."},
     {NULL, NULL, 0, NULL},
@@ -910,6 +1037,7 @@ static PyGetSetDef Lanes_getset[] = {
     {"refused_errno", (getter)Lanes_get_refused, NULL,
      "the errno of the direct read the kernel refused (0: none)", NULL},
     {"lanes", (getter)Lanes_get_n, NULL, "the number of lanes", NULL},
+    {"packs", (getter)Lanes_get_packs, NULL, "how many buffers the lanes repack", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1509,7 +1637,34 @@ done:
     return result;
 }
 
+/* pack_mxfp4(buffer, rowbytes): a writable buffer of whole groups of 8 MXFP4 rows,
+   rewritten in place in llama.cpp's repacked layout (pack_mxfp4_8), the GIL released. */
+static PyObject *pack_mxfp4(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    long long rowbytes;
+    if (!PyArg_ParseTuple(args, "w*L", &b, &rowbytes))
+        return NULL;
+    int rc;
+    if (rowbytes <= 0 || rowbytes % 17 || b.len % (8 * rowbytes)) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError,
+                        "pack_mxfp4: the buffer is not whole groups of 8 rows of that size");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = pack_mxfp4_8(b.buf, b.len, rowbytes);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (rc != 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"pack_mxfp4", pack_mxfp4, METH_VARARGS,
+     "pack_mxfp4(buffer, rowbytes): whole groups of 8 MXFP4 rows rewritten in place in "
+     "llama.cpp's repacked (CPU_REPACK, 8x8) layout."},
     {"plan", plan, METH_VARARGS,
      "plan(table, starts, layer, misses, victims, recycle, split, release) -> (specs, taken, released)"},
     {NULL, NULL, 0, NULL},

@@ -32,6 +32,9 @@ class ExpertTensor:
     offset: int         # absolute file offset of the tensor's data
     nbytes: int
     n_expert: int
+    ggml_type: int = -1     # the weights' ggml type (-1: not read)
+    ne0: int = 0            # elements in a row
+    ne1: int = 0            # rows in one expert
 
     @property
     def slice_bytes(self) -> int:
@@ -119,7 +122,8 @@ def _layout_of(path: Path, header: Header) -> Layout:
         ne2 = t.dims[2]
         if not ne2 or n_bytes % ne2:
             raise LayoutError(f"{t.name}: {n_bytes} bytes do not split into {ne2} experts")
-        experts.append(ExpertTensor(t.name, int(m.group(1)), m.group(2), offset, n_bytes, ne2))
+        experts.append(ExpertTensor(t.name, int(m.group(1)), m.group(2), offset, n_bytes, ne2,
+                                    t.type, t.dims[0], t.dims[1]))
     if experts:
         if not n_expert or any(t.n_expert != n_expert for t in experts):
             raise LayoutError(f"{path.name}: expert tensors disagree with {arch}.expert_count")

@@ -66,6 +66,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import llama_cpp as lc
@@ -105,7 +106,9 @@ from .memory import (
     pin_anonymous,
     resident_fraction,
 )
-from .reader import FRESH, ExpertReader, LaneQueue, NativeLaneQueue, QueuedGroup, Read, ReadError
+from .reader import (FRESH, ExpertReader, LaneQueue, NativeLaneQueue, QueuedGroup, Read,
+                     ReadError, native_lanes)
+from .repack import GGML_TYPE_MXFP4, RepackUnavailable, packer, row_bytes
 
 _TOPK = b"ffn_moe_topk-"
 _LOAD_ALL_CHUNK = 16 << 20
@@ -155,6 +158,12 @@ class ExpertStreamer:
         self._plan_starts = np.zeros(1, dtype=np.int64)
         self._tensor_of: dict[bytes, ExpertTensor] = {}
         self._unbound: set[bytes] = set()
+        # repacked experts (`_start_packs`, repack.py): whether the kernel choice allows
+        # them (asked only of a model with MXFP4 experts), and per repacked tensor its row
+        # bytes and the kernels its bind hands it
+        self._repack_choice: Callable[[], tuple[bool, str]] | None = None
+        self._pack_rows: dict[str, int] = {}
+        self._pack_kernels: dict[bytes, int] = {}
         self._dense_runs: list[tuple[int, int]] = []
         self._dense_frac = -1.0
         self._dense_at = 0.0
@@ -308,6 +317,7 @@ class ExpertStreamer:
         if self.budget.bytes < self.layout.expert_bytes and (supply is None
                                                              or not supply.enabled):
             self.load_info["page_folios"] = folio_note()
+        self._start_packs()      # before any read: the lanes repack from the first one
         if self.budget.mode == "all":
             self._load_all()
         elif self.prefetch and isinstance(self.cache, ExpertCache):
@@ -437,6 +447,75 @@ class ExpertStreamer:
             f"router, {len(routers)} of {n_layer} layers{with_bias}{where}"
             if routers else "previous token")
 
+    def allow_repack(self, choice: Callable[[], tuple[bool, str]]) -> None:
+        """How the session's kernel choice is asked whether llama.cpp's repacked kernels
+        may run here: `choice()` -> (allowed, why), called only for a model with MXFP4
+        experts (it may run the kernel probe)."""
+        self._repack_choice = choice
+
+    def _start_packs(self) -> None:
+        """Repacked experts (repack.py): MXFP4 expert slices rewritten in llama.cpp's
+        CPU_REPACK layout as they are read, and run by its repacked kernels. Where a
+        cache turns over, every read must be whole slices written exactly (a direct
+        read's first and last pages would put the file's bytes over a neighbouring
+        expert already repacked): the C lanes' queue with exact reads, which repack each
+        read before its group finishes. Without a cache, or with every expert read at
+        load, the streamer repacks what it waited for."""
+        lay = self.layout
+        cands = [t for t in lay.experts if t.ggml_type == GGML_TYPE_MXFP4]
+        if not cands:
+            self.load_info["expert_repack"] = "off: no MXFP4 experts"
+            return
+        assert self.reader is not None
+        allowed, why = self._repack_choice() if self._repack_choice else (False, "not asked")
+        queued = isinstance(self.cache, ExpertCache) and self.budget.mode != "all"
+        kernels: dict[str, int] = {}
+        if allowed:
+            why = ""
+        if not why and self.local_below is not None:
+            why = "split over RPC helpers (not checked there)"
+        elif not why and self.reader.chunk:
+            why = "reads are cut in pieces"
+        elif not why and native_lanes() is None:
+            why = "needs the C read lanes (bmoe.native.readlanes), which are off or not built"
+        if not why:
+            try:
+                p = packer()
+                kernels = {t.name: p.kernels_for(t.ggml_type, t.ne0, t.ne1, t.n_expert)
+                           for t in cands}
+            except RepackUnavailable as e:
+                why = str(e)
+        if why:
+            self.load_info["expert_repack"] = f"off: {why}"
+            return
+        if queued:
+            self.queue = self.reader.start_queue()
+            assert isinstance(self.queue, NativeLaneQueue)
+            if self._spec.size == 0:      # what the queued path keeps of guesses in flight
+                self._spec = np.zeros((lay.n_layer, lay.n_expert), dtype=bool)
+            self.queue.lanes.set_packs([
+                (buf.base, buf.base + buf.size, buf.base + buf.phase, row_bytes(t.ne0))
+                for t in cands for buf in (self._buffers[t.name],)])
+            self.queue.lanes.exact = True
+        self._pack_rows = {t.name: row_bytes(t.ne0) for t in cands}
+        self._pack_kernels = {t.name.encode(): kernels[t.name] for t in cands}
+        self.load_info["expert_repack"] = (
+            f"on: {len(cands)} of {len(lay.experts)} expert tensors (MXFP4) in llama.cpp's "
+            "repacked 8x8 layout, run by its CPU_REPACK kernels"
+            + (", repacked by the read lanes" if queued else ""))
+
+    def _pack_slices(self, t: ExpertTensor, e0: int, e1: int) -> None:
+        """Experts e0..e1-1 of `t`, read in the file's layout, repacked in place (a tensor
+        that is not repacked is left as it is)."""
+        rows = self._pack_rows.get(t.name)
+        if not rows or e1 <= e0:
+            return
+        buf, s = self._buffers[t.name], t.slice_bytes
+        area = (ctypes.c_char * ((e1 - e0) * s)).from_address(buf.data + e0 * s)
+        native = native_lanes()
+        assert native is not None
+        native.pack_mxfp4(area, rows)
+
     def _start_slots(self) -> None:
         """Expert slots (on where they work; `BMOE_EXPERT_SLOTS=0` off): a missed expert
         is read into the room of a victim of its own layer as it is, and the layer's
@@ -546,7 +625,7 @@ class ExpertStreamer:
                 self.native.slots(None)
             self._slots_in_c = False
             if isinstance(self.queue, NativeLaneQueue):
-                self.queue.lanes.exact = False
+                self.queue.lanes.exact = bool(self._pack_rows)   # repacked: still exact
             self.slots_note = f"off: {e}"
 
     def _probs_of(self, node: int) -> tuple[int, int]:
@@ -642,6 +721,8 @@ class ExpertStreamer:
                 reads.append(Read(start, end - start, buf, start - t.offset, fresh))
                 start = end
         n, secs = self.reader.read_all(reads)
+        for t in self.layout.experts:
+            self._pack_slices(t, 0, t.n_expert)
         self.cache.fill()
         self.load_info.update(load_all_mib=round(n / MIB, 1), load_all_s=round(secs, 3))
 
@@ -790,6 +871,9 @@ class ExpertStreamer:
             raise RuntimeError(f"{t.name} is not at its file offset in llama.cpp's mapping "
                                "(was the model loaded with repacking buffer types?)")
         slot.value = self._buffers[t.name].data
+        kernels = self._pack_kernels.get(name)
+        if kernels:
+            packer().adopt(weight, kernels)
         self._unbound.discard(name)
 
     def _route(self, node: int) -> None:
@@ -849,6 +933,10 @@ class ExpertStreamer:
         except BaseException:
             self._forget(layer, adm.misses)
             raise
+        if self._pack_rows:        # no cache here (`_start_packs`): every miss read whole
+            for t, _buf in self._by_layer.get(layer, ()):
+                for e in adm.misses.tolist():
+                    self._pack_slices(t, e, e + 1)
         self._count(t1 - t0, io_s, nbytes, adm)
         return adm
 
