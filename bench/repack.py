@@ -1,6 +1,6 @@
 """Prefill and decode tokens/s with llama.cpp's extra buffer types (repacking) on and off.
 
-    python bench/repack.py [--runs 3] [--prompt 512] [--decode 64]
+    python bench/repack.py [--runs 3] [--prompt 512] [--decode 64] [--model PATH]
 
 What the `repack` setting buys on this host, measured on real layouts: Gemma 3 270M in
 Q4_K_M (the PyPI model the tests use; its q4_K tensors are what repacking takes) and a
@@ -9,6 +9,8 @@ repacking was first written for). Each run loads the model twice, extra buffer t
 (the baseline: the file's own layout, as the expert streamer runs) and on, in turn, and
 times a prompt of `--prompt` tokens (one llama_decode per 512) and `--decode` greedy
 tokens one at a time. Printed: each layout's median tokens/s and on ÷ off, per model.
+`--model PATH` measures that file instead (the gpt-oss-120b slice: what the expert
+streamer's repacked MXFP4 experts are worth to its compute).
 The on-run is skipped (and said so) where the engine's kernel choice is off here
 (AMX hosts: the pinned build's AMX kernels crash on batches). BENCH_THREADS=N sets the
 threads (default 2).
@@ -95,13 +97,16 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--model", action="append", default=[], type=Path,
+                    help="a GGUF file to measure instead of the two built-in models "
+                         "(repeatable), e.g. the gpt-oss-120b slice of stream_vs_mmap.py")
     args = ap.parse_args()
     lc.llama_log_set(_quiet, ctypes.c_void_p(0))
     lc.llama_backend_init()
     choice = kernels.choose("auto")
     print(f"host: {kernels.registered_extra_bufts() or 'no extra buffer types'}; "
           f"engine's choice: {choice.line()}; threads {THREADS}")
-    for name, path in models():
+    for name, path in ([(m.name, m) for m in args.model] or models()):
         got: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for _ in range(args.runs):
             for extra in (False, True):

@@ -73,9 +73,9 @@ TEXT = (
 )
 
 STAT_KEYS = ("read_bytes", "hits", "misses", "io_s", "mgmt_s", "stall_s", "spec_bytes")
-# llama.cpp's runs keep the file's layout (`repack off`), as the streamer does: repacked
-# weights are copied into memory (the mmap run under the cap would hold the whole model),
-# and the compute floor is the streamed runs' kernels'
+# llama.cpp's mmap run keeps the file's layout (`repack off`): repacked weights are copied
+# into memory (under the cap it would have to hold the whole model); the compute floor
+# runs the streamed runs' kernels (`floor_repack`)
 RUNS: dict[str, dict[str, Any]] = {
     "mmap": {"moe-stream": False, "repack": "off"},
     "auto": {"moe-stream": True, "cache-mb": "auto", "cache-policy": "lru"},
@@ -87,6 +87,20 @@ RUNS: dict[str, dict[str, Any]] = {
     "auto+prefetch+overlap": {"moe-stream": True, "cache-mb": "auto", "overlap": True},
     "nocache": {"moe-stream": True, "cache-mb": 0},
 }
+
+
+def floor_repack(model: Path) -> str:
+    """The compute floor's `repack` setting: the kernels the streamed runs use. The
+    streamer repacks MXFP4 experts (where the kernel choice allows it, `auto`) and keeps
+    every other type in the file's layout; a resident load with `repack auto` repacks
+    exactly those in an MXFP4_MOE file (its dense weights are Q8_0 / F32, which this
+    build repacks on no x86 CPU), and Q4_0 / Q4_K / IQ4_NL dense weights besides, so
+    any other file's floor runs with repack off."""
+    from bmoe.engine.experts.layout import read_layout
+    from bmoe.engine.experts.repack import GGML_TYPE_MXFP4
+    lay = read_layout(model)
+    mxfp4 = bool(lay.experts) and all(t.ggml_type == GGML_TYPE_MXFP4 for t in lay.experts)
+    return "auto" if mxfp4 else "off"
 
 
 # -- the worker: one configuration in one process ------------------------------------------
@@ -374,7 +388,8 @@ def bench(args: argparse.Namespace) -> int:
         results["routing"] = run_uncapped("routing", {"moe-stream": True, "load-all": True},
                                           model, args, args.route_tokens)
         warm_page_cache(model)
-        results["compute"] = run_uncapped("compute", {"moe-stream": False, "repack": "off"},
+        results["compute"] = run_uncapped("compute", {"moe-stream": False,
+                                                      "repack": floor_repack(model)},
                                           model, args, args.tokens)
         limit = int(size * args.cap_frac)
         cap = MemoryCap(f"bmoe-bench-{os.getpid()}", limit)

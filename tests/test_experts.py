@@ -1727,3 +1727,33 @@ def test_repacked_experts_match_the_resident_repacked_engine(
 
     got = streamed(models["moe-oss"], check, **REPACKED, **values)
     assert got == resident_repacked(models, "moe-oss")
+
+
+def test_repacked_experts_under_the_python_callback(models: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python graph callback binds and hands over the repacked tensors the same way."""
+    monkeypatch.setenv(evalcb.ENV, "python")
+
+    def check(st: ExpertStreamer) -> None:
+        assert st.load_info["eval_callback"].startswith("python")
+        assert st.load_info["expert_repack"].startswith("on" if repack_allowed() else "off")
+
+    got = streamed(models["moe-oss"], check, **REPACKED, **{"cache-mb": 2})
+    assert got == resident_repacked(models, "moe-oss")
+
+
+@pytest.mark.parametrize(("name", "values", "why"), [
+    ("moe-oss", {"repack": "off"}, "off: turned off by the setting"),
+    ("moe", REPACKED, "off: no MXFP4 experts"),
+    ("moe-f16", REPACKED, "off: no MXFP4 experts"),
+])
+def test_experts_keep_the_files_layout_where_repacking_is_not_chosen(
+        models: dict[str, Path], name: str, values: dict[str, Any], why: str) -> None:
+    s = open_session(models[name], **STREAM, **{"cache-mb": 2}, **values)
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        assert st.load_info["expert_repack"] == why
+        assert not st._pack_rows and not st._pack_kernels
+    finally:
+        s.close()

@@ -603,3 +603,99 @@ def test_fresh_pages_are_given_by_the_caller_before_a_c_lane_reads(
     finally:
         reader.supply.close()
         reader.close([buf])
+
+
+# -- repacked MXFP4 slices (bmoe/engine/experts/repack.py) --------------------------------
+
+def llama_cpp_repacked(src: np.ndarray, ne0: int, ne1: int, ne2: int) -> bytes:
+    """`src` (MXFP4 bytes in the file's layout) as llama.cpp's own CPU_REPACK buffer
+    rewrites them at a resident load: a tensor of that shape allocated in such a buffer,
+    its bytes set through ggml_backend_tensor_set (the repack), read back."""
+    import ctypes
+
+    from bmoe.engine.experts import ggml
+    from bmoe.engine.experts.repack import GGML_TYPE_MXFP4, RepackUnavailable, _lib, packer
+    try:
+        p = packer()
+        p.kernels_for(GGML_TYPE_MXFP4, ne0, ne1, ne2)
+    except RepackUnavailable as e:
+        pytest.skip(f"no repacked MXFP4 kernels on this CPU: {e}")
+    lib, vp = _lib(), ctypes.c_void_p
+    lib.ggml_backend_buffer_get_base.restype = vp
+    lib.ggml_backend_buffer_get_base.argtypes = [vp]
+    lib.ggml_backend_tensor_alloc.restype = ctypes.c_int
+    lib.ggml_backend_tensor_alloc.argtypes = [vp, vp, vp]
+    lib.ggml_backend_tensor_set.restype = None
+    lib.ggml_backend_tensor_set.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_buffer_free.restype = None
+    lib.ggml_backend_buffer_free.argtypes = [vp]
+    ctx = lib.ggml_init(ggml._InitParams(1 << 12, None, True))
+    buf = lib.ggml_backend_buft_alloc_buffer(p.buft, src.nbytes + 64)
+    try:
+        t = lib.ggml_new_tensor_3d(ctx, GGML_TYPE_MXFP4, ne0, ne1, ne2)
+        assert lib.ggml_backend_tensor_alloc(buf, t, lib.ggml_backend_buffer_get_base(buf)) == 0
+        lib.ggml_backend_tensor_set(t, src.ctypes.data, 0, src.nbytes)
+        return ctypes.string_at(lib.ggml_backend_buffer_get_base(buf), src.nbytes)
+    finally:
+        lib.ggml_backend_buffer_free(buf)
+        lib.ggml_free(ctx)
+
+
+@pytest.mark.parametrize("shape", [(256, 64, 3), (2880, 16, 2), (32, 8, 1)])
+def test_pack_mxfp4_is_llama_cpps_repack(shape: tuple[int, int, int]) -> None:
+    """The streamer's permutation of MXFP4 rows is, byte for byte, what llama.cpp's
+    CPU_REPACK buffer writes at a resident load (gpt-oss's 2,880-wide rows among them)."""
+    from bmoe.engine.experts.repack import row_bytes
+    ne0, ne1, ne2 = shape
+    src = np.random.default_rng(ne0).integers(0, 256, row_bytes(ne0) * ne1 * ne2,
+                                              dtype=np.uint8)
+    mine = src.copy()
+    assert readlanes is not None
+    readlanes.pack_mxfp4(mine, row_bytes(ne0))
+    assert mine.tobytes() == llama_cpp_repacked(src, ne0, ne1, ne2)
+    assert not np.array_equal(mine, src)
+    with pytest.raises(ValueError, match="whole groups of 8 rows"):
+        readlanes.pack_mxfp4(mine[:-17], row_bytes(ne0))
+    with pytest.raises(ValueError):
+        readlanes.pack_mxfp4(mine, 16)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_lanes_repack_the_slices_of_their_packs(tmp_path: Path, direct: bool) -> None:
+    """Slices read into a buffer the lanes were told to repack land permuted (the file's
+    bytes, packed as pack_mxfp4 does); a buffer not among the packs lands as it is; a
+    slice that is not whole groups of rows is the group's error, not a half-packed one;
+    the packs are set once, before any read."""
+    rows, rb = 16, 17 * 8                 # 16 rows of 256 elements: 2 groups per slice
+    s = rows * rb
+    data = np.random.default_rng(3).integers(0, 256, 8 * s + 999, dtype=np.uint8)
+    path = tmp_path / "mxfp4.bin"
+    path.write_bytes(data.tobytes())
+    off = 999                             # the experts' first byte in the file
+    reader, q = queue_of(path, direct)
+    packed, plain = AnonBuffer(off, 8 * s), AnonBuffer(off, 8 * s)
+    try:
+        q.lanes.exact = True
+        q.lanes.set_packs([(packed.base, packed.base + packed.size,
+                            packed.base + packed.phase, rb)])
+        assert q.lanes.packs == 1
+        with pytest.raises(RuntimeError, match="set once"):
+            q.lanes.set_packs([])
+        groups = [q.submit([Read(off + 2 * s, 3 * s, packed, 2 * s),
+                            Read(off + 6 * s, s, packed, 6 * s)], 0),
+                  q.submit([Read(off + 2 * s, 3 * s, plain, 2 * s)], 0)]
+        assert q.wait(groups, 30) and all(g.error is None for g in groups)
+        want = data[off:off + 8 * s].copy()
+        for e0, e1 in ((2, 5), (6, 7)):
+            readlanes.pack_mxfp4(want[e0 * s:e1 * s], rb)
+        got = np.frombuffer(bytes(packed.view[packed.phase:packed.phase + 8 * s]), np.uint8)
+        for e in (2, 3, 4, 6):
+            assert np.array_equal(got[e * s:(e + 1) * s], want[e * s:(e + 1) * s])
+        assert not got[:2 * s].any() and not got[5 * s:6 * s].any()
+        assert bytes(plain.view[plain.phase + 2 * s:plain.phase + 5 * s]) == \
+            data[off + 2 * s:off + 5 * s].tobytes()
+        bad = q.submit([Read(off + 7 * s, 3 * rb, packed, 7 * s)], 0)   # 3 rows
+        assert q.wait([bad], 30)
+        assert isinstance(bad.error, ReadError)
+    finally:
+        reader.close([packed, plain])

@@ -25,7 +25,10 @@ build, before a resident load trusts them:
 
 The expert streamer always loads without them (it reads the file's own layout into its
 cache), so its tokens match a resident engine whose choice is off: that is the baseline
-the streaming tests compare with.
+the streaming tests compare with. The one exception is the streamer's own: where this
+choice turns the kernels on, it repacks MXFP4 experts as it reads them and runs them with
+``CPU_REPACK`` (``bmoe.engine.experts.repack``), matching a resident engine whose choice
+is on.
 
 Repacking copies every weight it takes out of the file mapping into the process's own
 memory, so a model on the file mapping (llama.cpp on mmap, larger than memory) would be

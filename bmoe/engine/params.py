@@ -409,7 +409,9 @@ def _rows() -> tuple[Param, ...]:
              "machine, in a child process, that those kernels run here and agree with the "
              "file's own (this llama.cpp's AMX kernels crash on batches, so auto keeps "
              "them off where AMX is present); on uses them unchecked; off never does. "
-             "The expert streamer always runs the file's own layout.",
+             "Under expert streaming the load keeps the file's own layout; where this "
+             "choice allows the repacked kernels, the streamer repacks MXFP4 experts "
+             "itself as it reads them (gpt-oss).",
              "auto", choices=(Named("auto", "checked on this machine"),
                               Named("on", "always, unchecked"),
                               Named("off", "never")),
