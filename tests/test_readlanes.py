@@ -699,3 +699,21 @@ def test_the_lanes_repack_the_slices_of_their_packs(tmp_path: Path, direct: bool
         assert isinstance(bad.error, ReadError)
     finally:
         reader.close([packed, plain])
+
+
+def test_a_layout_other_than_the_one_written_turns_repacking_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any read the streamer checks, through a real CPU_REPACK buffer, that this
+    CPU's repacked MXFP4 layout is the one `pack_mxfp4` writes; a layout that differs
+    (here: a permutation that writes nothing) is RepackUnavailable, never a wrong one."""
+    from bmoe.engine.experts.repack import GGML_TYPE_MXFP4, Packer, RepackUnavailable
+    try:
+        Packer().kernels_for(GGML_TYPE_MXFP4, 2880, 2880, 4)
+    except RepackUnavailable as e:
+        pytest.skip(f"no repacked MXFP4 kernels on this CPU: {e}")
+    assert readlanes is not None
+    monkeypatch.setattr(readlanes, "pack_mxfp4", lambda _buf, _rows: None)
+    with pytest.raises(RepackUnavailable, match="otherwise"):
+        Packer().kernels_for(GGML_TYPE_MXFP4, 2880, 2880, 4)
+    with pytest.raises(RepackUnavailable, match="whole groups of 8"):
+        Packer().kernels_for(GGML_TYPE_MXFP4, 2880, 2881, 4)

@@ -23,7 +23,9 @@ So where the ``repack`` setting lets a resident load repack (the same kernel cho
 Which tensors: MXFP4 expert tensors whose rows come in whole groups of 8, and only where
 this build's ``CPU_REPACK`` picks the 8x8 MXFP4 kernels for such a tensor on this CPU
 (AVX2): `Packer.kernels_for` asks it with a scratch tensor of the same type and shape
-before any read. Any other type keeps the file's layout.
+before any read, and checks with 8 rows set through a real ``CPU_REPACK`` buffer that
+its layout is the one `pack_mxfp4` writes (NEON's 4x4, say, is not). Any other type
+keeps the file's layout.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import ctypes
 from functools import lru_cache
 
 from . import ggml
+from .reader import native_lanes
 
 GGML_TYPE_MXFP4 = 39
 BLOCK_BYTES = 17          # block_mxfp4: one exponent byte and 16 bytes of nibbles
@@ -62,6 +65,10 @@ def _lib() -> ctypes.CDLL:
         ("ggml_init", vp, [ggml._InitParams]),
         ("ggml_free", None, [vp]),
         ("ggml_new_tensor_3d", vp, [vp, ctypes.c_int, i64, i64, i64]),
+        ("ggml_backend_buffer_get_base", vp, [vp]),
+        ("ggml_backend_buffer_free", None, [vp]),
+        ("ggml_backend_tensor_alloc", ctypes.c_int, [vp, vp, vp]),
+        ("ggml_backend_tensor_set", None, [vp, vp, ctypes.c_size_t, ctypes.c_size_t]),
     ):
         fn = getattr(lib, name)
         fn.restype = res
@@ -134,8 +141,45 @@ class Packer:
         if not extra:
             raise RepackUnavailable("CPU_REPACK has no kernels for MXFP4 on this CPU "
                                     "(the 8x8 ones need AVX2)")
+        if not self._same_layout(ggml_type, ne0, extra):
+            raise RepackUnavailable("CPU_REPACK lays MXFP4 out otherwise on this CPU than "
+                                    "the 8x8 blocks the streamer writes")
         self._kernels[key] = extra
         return extra
+
+    def _same_layout(self, ggml_type: int, ne0: int, kernels: int) -> bool:
+        """Whether `pack_mxfp4` writes, byte for byte, what ``CPU_REPACK`` writes for 8
+        rows of `ne0` (a tensor set through a real buffer of that type), with the same
+        kernels as the expert tensor's: the check that this CPU's choice is the 8x8
+        layout (another CPU's, NEON's 4x4, would not match)."""
+        import numpy as np
+
+        readlanes = native_lanes()
+        if readlanes is None:
+            return False
+        lib = _lib()
+        rows = row_bytes(ne0)
+        src = np.random.default_rng(ne0).integers(0, 256, GROUP_ROWS * rows, dtype=np.uint8)
+        want = src.copy()
+        readlanes.pack_mxfp4(want, rows)
+        ctx = lib.ggml_init(ggml._InitParams(1 << 12, None, True))
+        buf = lib.ggml_backend_buft_alloc_buffer(self.buft, src.nbytes + 64) if ctx else None
+        try:
+            if not buf:
+                return False
+            t = lib.ggml_new_tensor_3d(ctx, ggml_type, ne0, GROUP_ROWS, 1)
+            base = lib.ggml_backend_buffer_get_base(buf)
+            if lib.ggml_backend_tensor_alloc(buf, t, base) != 0:
+                return False
+            if (ggml.tensor_at(t).extra or 0) != kernels:
+                return False
+            lib.ggml_backend_tensor_set(t, src.ctypes.data, 0, src.nbytes)
+            return bool(ctypes.string_at(base, src.nbytes) == want.tobytes())
+        finally:
+            if buf:
+                lib.ggml_backend_buffer_free(buf)
+            if ctx:
+                lib.ggml_free(ctx)
 
     def adopt(self, tensor: int, kernels: int) -> None:
         """Hand the expert tensor at `tensor` (its data already the streamer's repacked
