@@ -64,9 +64,9 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import llama_cpp as lc
@@ -470,8 +470,7 @@ class ExpertStreamer:
         allowed, why = self._repack_choice() if self._repack_choice else (False, "not asked")
         queued = isinstance(self.cache, ExpertCache) and self.budget.mode != "all"
         kernels: dict[str, int] = {}
-        if allowed:
-            why = ""
+        why = "" if allowed else (why or "the kernel choice keeps them off")
         if not why and self.local_below is not None:
             why = "split over RPC helpers (not checked there)"
         elif not why and self.reader.chunk:
