@@ -143,16 +143,18 @@ def conversation(session: Session) -> Turns:
 _reference: dict[str, Turns] = {}
 
 
-def resident(models: dict[str, Path], name: str) -> Turns:
-    """The plain resident engine's tokens for `conversation` (computed once per model)."""
-    if name not in _reference:
-        s = Session(models[name], dict(BASE))
+def resident(models: dict[str, Path], name: str, **values: Any) -> Turns:
+    """The plain resident engine's tokens for `conversation` (computed once per model and
+    values: BASE's, or with `values` over them)."""
+    key = name + "".join(f"+{k}={v}" for k, v in sorted(values.items()))
+    if key not in _reference:
+        s = Session(models[name], dict(BASE, **values))
         try:
             assert s.streamer is None
-            _reference[name] = conversation(s)
+            _reference[key] = conversation(s)
         finally:
             s.close()
-    return _reference[name]
+    return _reference[key]
 
 
 def streamed(path: Path, check: Callable[[ExpertStreamer], None] | None = None,
@@ -1683,15 +1685,7 @@ REPACKED = {"repack": "on"}
 
 def resident_repacked(models: dict[str, Path], name: str) -> Turns:
     """The resident engine with llama.cpp's own repacking at load (`repack: on`)."""
-    key = f"{name}+repack"
-    if key not in _reference:
-        s = Session(models[name], dict(BASE, **REPACKED))
-        try:
-            assert s.streamer is None
-            _reference[key] = conversation(s)
-        finally:
-            s.close()
-    return _reference[key]
+    return resident(models, name, **REPACKED)
 
 
 def repack_allowed() -> bool:

@@ -620,15 +620,7 @@ def llama_cpp_repacked(src: np.ndarray, ne0: int, ne1: int, ne2: int) -> bytes:
         p.kernels_for(GGML_TYPE_MXFP4, ne0, ne1, ne2)
     except RepackUnavailable as e:
         pytest.skip(f"no repacked MXFP4 kernels on this CPU: {e}")
-    lib, vp = _lib(), ctypes.c_void_p
-    lib.ggml_backend_buffer_get_base.restype = vp
-    lib.ggml_backend_buffer_get_base.argtypes = [vp]
-    lib.ggml_backend_tensor_alloc.restype = ctypes.c_int
-    lib.ggml_backend_tensor_alloc.argtypes = [vp, vp, vp]
-    lib.ggml_backend_tensor_set.restype = None
-    lib.ggml_backend_tensor_set.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_size_t]
-    lib.ggml_backend_buffer_free.restype = None
-    lib.ggml_backend_buffer_free.argtypes = [vp]
+    lib = _lib()
     ctx = lib.ggml_init(ggml._InitParams(1 << 12, None, True))
     buf = lib.ggml_backend_buft_alloc_buffer(p.buft, src.nbytes + 64)
     try:

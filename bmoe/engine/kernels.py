@@ -109,9 +109,9 @@ def _ggml() -> ctypes.CDLL | None:
 _EXTRA_BUFTS_FN = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 
 
-def registered_extra_bufts() -> tuple[str, ...]:
-    """The names of the CPU backend's extra buffer types in this build, on this host
-    (``("CPU_REPACK",)``, ``("AMX", "CPU_REPACK")``), read from ggml itself."""
+def extra_bufts() -> tuple[tuple[str, int], ...]:
+    """The CPU backend's extra buffer types in this build, on this host: (name, the
+    ``ggml_backend_buffer_type_t``) each, read from ggml itself."""
     lc.llama_backend_init()
     lib = _ggml()
     if lib is None:
@@ -132,13 +132,19 @@ def registered_extra_bufts() -> tuple[str, ...]:
     if not fn:
         return ()
     bufts = _EXTRA_BUFTS_FN(fn)(dev)
-    names = []
+    found = []
     i = 0
     while bufts and bufts[i]:
         raw = lib.ggml_backend_buft_name(bufts[i])
-        names.append(raw.decode("utf-8", "replace") if raw else "?")
+        found.append((raw.decode("utf-8", "replace") if raw else "?", int(bufts[i])))
         i += 1
-    return tuple(names)
+    return tuple(found)
+
+
+def registered_extra_bufts() -> tuple[str, ...]:
+    """The names of the CPU backend's extra buffer types in this build, on this host
+    (``("CPU_REPACK",)``, ``("AMX", "CPU_REPACK")``)."""
+    return tuple(name for name, _ in extra_bufts())
 
 
 def cpu_flags() -> frozenset[str]:

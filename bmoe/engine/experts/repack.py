@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 
+from ..kernels import extra_bufts
 from . import ggml
 from .reader import native_lanes
 
@@ -46,18 +47,11 @@ class RepackUnavailable(RuntimeError):
     """This build or CPU has no repacked MXFP4 kernels for a tensor of this shape."""
 
 
-_EXTRA_BUFTS_FN = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
-
-
 @lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL:
     lib = ctypes.CDLL(ggml.libggml()._name)
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     for name, res, args in (
-        ("ggml_backend_dev_by_type", vp, [ctypes.c_int]),
-        ("ggml_backend_dev_backend_reg", vp, [vp]),
-        ("ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p]),
-        ("ggml_backend_buft_name", ctypes.c_char_p, [vp]),
         ("ggml_backend_buft_alloc_buffer", vp, [vp, ctypes.c_size_t]),
         ("ggml_backend_buffer_init_tensor", ctypes.c_int, [vp, vp]),
         ("ggml_backend_buffer_set_usage", None, [vp, ctypes.c_int]),
@@ -78,21 +72,7 @@ def _lib() -> ctypes.CDLL:
 
 def _repack_buft() -> int:
     """The CPU backend's ``CPU_REPACK`` buffer type (0: this build has none here)."""
-    lib = _lib()
-    dev = lib.ggml_backend_dev_by_type(0)          # GGML_BACKEND_DEVICE_TYPE_CPU
-    if not dev:
-        return 0
-    reg = lib.ggml_backend_dev_backend_reg(dev)
-    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-    if not fn:
-        return 0
-    bufts = _EXTRA_BUFTS_FN(fn)(dev)
-    i = 0
-    while bufts and bufts[i]:
-        if lib.ggml_backend_buft_name(bufts[i]) == b"CPU_REPACK":
-            return int(bufts[i])
-        i += 1
-    return 0
+    return dict(extra_bufts()).get("CPU_REPACK", 0)
 
 
 def row_bytes(ne0: int) -> int:
