@@ -11,10 +11,11 @@ the server and every user's session with it.
 So this program is what the engine runs before it trusts them (``bmoe.engine.kernels``
 starts it as ``python -m bmoe.kernelprobe`` and caches the verdict): it writes a tiny
 model-maker MoE, quantizes it with llama.cpp's quantizer into every type those buffer
-types take, and for each one decodes a batch and a single token with the extra buffer
-types on and off. A crash is the parent's verdict "unusable" (the last progress line on
-stderr says where); logits that disagree beyond quantization noise are "unusable" too;
-otherwise it prints a JSON report on stdout.
+types take, and for each one decodes a MoE prompt batch (which the engine's four-row MoE
+matmuls take, `bmoe.engine.moegemm`, as a session would run them), a smaller batch and a
+single token with the extra buffer types on and off. A crash is the parent's verdict
+"unusable" (the last progress line on stderr says where); logits that disagree beyond
+quantization noise are "unusable" too; otherwise it prints a JSON report on stdout.
 
 ``BMOE_KERNEL_PROBE_FAULT=1`` makes the probe die as a faulting kernel would (SIGSEGV,
 before its first decode with extra buffer types on): the tests use it to take the
@@ -35,6 +36,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
+from .engine import moegemm
 from .modelmaker import make_model
 from .modelmaker.quantize import quantize
 
@@ -42,7 +44,9 @@ from .modelmaker.quantize import quantize
 # AMX: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS), each through a file type that makes
 # the model's matrices of that type.
 PROBE_TYPES = ("Q4_0", "Q4_K_M", "IQ4_NL", "MXFP4_MOE", "Q8_0", "Q6_K", "IQ4_XS")
-BATCHES = (16, 2, 1)            # tokens per decode: a prompt batch, the smallest, one token
+# tokens per decode: a MoE prompt batch the four-row path takes (bmoe.engine.moegemm: 32
+# and up), a prompt batch, the smallest, one token
+BATCHES = (40, 16, 2, 1)
 MAX_REL_ERR = 0.05              # logits' distance allowed between the two layouts
 FAULT_ENV = "BMOE_KERNEL_PROBE_FAULT"
 
@@ -74,6 +78,10 @@ def _logits(path: Path, extra: bool) -> list[np.ndarray]:
         cparams.n_batch = cparams.n_ubatch = max(BATCHES)
         cparams.n_threads = cparams.n_threads_batch = 1
         cparams.no_perf = True
+        callback = moegemm.callback() if extra else None
+        if callback is not None:       # the engine's MoE prompt matmuls, as a Session runs them
+            cparams.cb_eval = callback
+            cparams.cb_eval_user_data = None
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             raise RuntimeError("llama.cpp could not create the probe's context")

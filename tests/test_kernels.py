@@ -103,7 +103,7 @@ def test_a_faulting_probe_is_a_named_off(monkeypatch: pytest.MonkeyPatch) -> Non
     usable, why = kernels.run_probe()
     assert usable is False
     assert why.startswith("the kernel probe died with SIGSEGV at probe-q4_0.gguf: a batch "
-                          "of 16"), why
+                          "of 40"), why
 
 
 # --- both branches through the server ---------------------------------------------------

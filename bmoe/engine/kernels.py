@@ -66,6 +66,9 @@ MODES = ("auto", "on", "off")
 REPACK_MARGIN = 512 << 20
 PROBE_TIMEOUT_S = 300           # a tiny model, quantized seven ways: seconds on one core
 CACHE_NAME = "kernels.json"
+# What the probe checks, as part of each verdict's key: 2 added the four-row MoE prompt
+# matmuls (bmoe.engine.moegemm), so verdicts from before are probed again
+PROBE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,7 @@ def _build_key(registered: tuple[str, ...]) -> str:
     """What a verdict holds for: these CPU flags, this llama.cpp build, these buffer types,
     and whether the probe is asked to fault (the tests' switch)."""
     h = hashlib.sha256()
+    h.update(f"probe {PROBE_VERSION}\n".encode())
     h.update(" ".join(sorted(cpu_flags())).encode())
     for lib in sorted(_lib_dir().glob("*.so*")):
         try:

@@ -34,7 +34,7 @@ from .calibrate import Arm, Trial
 from . import families
 from .chatparse import detect_framing
 from .errors import Aborted, EngineError, LoadError, context_full
-from . import (backend, builtin_templates, embed, kernels, params, rpc, vocab_guard,
+from . import (backend, builtin_templates, embed, kernels, moegemm, params, rpc, vocab_guard,
                weight_types)
 from .grammar_guard import GrammarRefused, check_grammar
 from .kernels import KernelChoice
@@ -258,6 +258,26 @@ class Session:
         return kernels.within_memory(kernels.choose(mode), model_bytes(self.path),
                                      probe_memory().budget)
 
+    @property
+    def moe_prompt_matmul(self) -> str:
+        """How a MoE layer's prompt batches run here (for /api/info): "" for a dense
+        model."""
+        if not self.n_expert:
+            return ""
+        if self.rpc is not None:
+            return "llama.cpp's (layers on RPC helpers)"
+        repacked = self.kernels.extra_bufts
+        if self.streamer is not None:
+            notes = getattr(self.streamer, "load_info", None) or {}
+            repacked = str(notes.get("expert_repack", "")).startswith("on")
+        if not repacked:
+            return "llama.cpp's (the experts are not repacked)"
+        if not moegemm.enabled():
+            return ("llama.cpp's (BMOE_MOE_GEMM=0)" if moegemm.kinds()
+                    else "llama.cpp's (no four-row kernels here)")
+        return "four rows: llama.cpp's gemm kernels on " + ", ".join(moegemm.kinds()) + \
+            " experts"
+
     def _make_context(self) -> None:
         cparams = lc.llama_context_default_params()
         n_ctx = int(self.values.get("ctx-size") or 4096)
@@ -290,6 +310,13 @@ class Session:
         self._abort_ref = _abort
         if self.streamer is not None:
             self.streamer.configure_context_params(cparams)
+        elif self.n_expert and self.kernels.extra_bufts and self.rpc is None:
+            # a resident MoE on repacked kernels: its prompts' expert matmuls four tokens
+            # at a time (moegemm), the callback handing them the wrapper on first use
+            fn = moegemm.callback()
+            if fn is not None:
+                cparams.cb_eval = fn
+                cparams.cb_eval_user_data = None
         heard = _LlamaLog()            # started last, stopped first: the streamer's tap is outer
         heard.start()
         try:

@@ -332,6 +332,7 @@ class Runtime:
             "compute_threads": s.compute_threads,
             "busy_threads": s.compute_threads, "ctx_advice": self.ctx_advice(),
             "kernels": s.kernels.to_json(),
+            "moe_prompt_matmul": s.moe_prompt_matmul,
             "context": {"n_batch": s.n_batch, "n_ubatch": s.n_ubatch, **s.attention.to_json()},
         }
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 
+from .. import moegemm
 from ..kernels import extra_bufts
 from . import ggml
 from .reader import native_lanes
@@ -174,6 +175,9 @@ class Packer:
             raise RuntimeError(f"{ggml.name_of(tensor).decode(errors='replace')}: "
                                "llama.cpp's CPU_REPACK picked other kernels for it than "
                                "for its scratch twin")
+        wrapper = moegemm.wrap(kernels)      # a prompt's rows four at a time, as resident
+        if wrapper:
+            t.extra = wrapper
 
 
 _packer: Packer | None = None
