@@ -10,10 +10,10 @@ kernels, its MUL_MAT_ID one row at a time; the baseline) and `four rows` (repack
 engine's default: a prompt's expert rows grouped four at a time into llama.cpp's gemm
 kernels). It times a prompt of `--prompt` tokens in batches of `--ubatch` and 32 greedy
 tokens one at a time, and prints each variant's median tokens/s and its ratio to
-`repacked`. The models: two written here and quantized by llama.cpp (a gpt-oss-shaped MoE
-with MXFP4 experts, a Qwen3-MoE-shaped one in Q4_K_M), or `--model PATH` (the
-gpt-oss-120b and Qwen3-30B-A3B slices of stream_vs_mmap.py). On a host where the kernel
-choice keeps repacking off (AMX) only `file layout` runs, and it says so.
+`repacked`. The models: written here and quantized by llama.cpp (a gpt-oss-shaped MoE
+with MXFP4 experts, a Qwen3-MoE-shaped one in Q4_K_M, Q4_0, IQ4_NL and Q2_K), or
+`--model PATH` (the gpt-oss-120b and Qwen3-30B-A3B slices of stream_vs_mmap.py). On a host
+where the kernel choice keeps repacking off (AMX) only `file layout` runs, and it says so.
 BENCH_THREADS=N sets the threads (default 2).
 """
 
@@ -38,6 +38,8 @@ VARIANTS = {  # name: (repack value, BMOE_MOE_GEMM)
     "four rows": ("on", "1"),
 }
 BASELINE = "repacked"
+# the Qwen3-shaped model's quantizations: one per kind the four-row path takes
+QWEN_QUANTS = ("Q4_K_M", "Q4_0", "IQ4_NL", "Q2_K")
 
 
 def models() -> list[tuple[str, Path]]:
@@ -48,15 +50,18 @@ def models() -> list[tuple[str, Path]]:
         make_model(oss, arch="gpt-oss", n_layer=6, n_embd=1024, n_head=16, n_head_kv=4,
                    head_dim=64, n_expert=32, n_expert_used=4, n_ff_exp=1024, dtype="f16",
                    expert_dtype="mxfp4", seed=7)
-    qwen = CACHE / "moegemm-qwen3moe-q4_k_m.gguf"
-    if not qwen.exists():
-        f16 = make_model(CACHE / "moegemm-qwen3moe-f16.gguf", n_layer=6, n_embd=1024,
-                         n_head=16, n_head_kv=4, head_dim=64, n_expert=32, n_expert_used=8,
-                         n_ff_exp=768, dtype="f16", seed=8)
-        quantize(f16, qwen, "Q4_K_M", threads=THREADS)
-        f16.unlink()
-    return [("gpt-oss-shaped MoE, MXFP4 experts", oss),
-            ("Qwen3-MoE-shaped, Q4_K_M", qwen)]
+    out = [("gpt-oss-shaped MoE, MXFP4 experts", oss)]
+    f16 = CACHE / "moegemm-qwen3moe-f16.gguf"
+    for ftype in QWEN_QUANTS:
+        q = CACHE / f"moegemm-qwen3moe-{ftype.lower()}.gguf"
+        if not q.exists():
+            if not f16.exists():
+                make_model(f16, n_layer=6, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64,
+                           n_expert=32, n_expert_used=8, n_ff_exp=768, dtype="f16", seed=8)
+            quantize(f16, q, ftype, threads=THREADS)
+        out.append((f"Qwen3-MoE-shaped, {ftype}", q))
+    f16.unlink(missing_ok=True)
+    return out
 
 
 def worker(spec: dict[str, object]) -> dict[str, object]:

@@ -1,9 +1,10 @@
 """A prompt's MoE matmuls four rows at a time on repacked experts (bmoe.engine.moegemm).
 
 The real engine on models the model maker writes and llama.cpp quantizes: a gpt-oss MoE
-with MXFP4 experts and a Qwen3 MoE in Q4_K_M, resident with repacking on, and the first
-streamed. Where this host's kernel choice keeps repacking off, or its CPU_REPACK picks
-other kernels than the two kinds, the tests check that nothing is wrapped instead.
+with MXFP4 experts and a Qwen3 MoE in Q4_K_M, Q4_0, IQ4_NL and Q2_K, resident with
+repacking on, and the first streamed. Where this host's kernel choice keeps repacking off,
+or its CPU_REPACK picks other kernels than the kinds wrapped, the tests check that nothing
+is wrapped instead.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from bmoe.engine.session import Session
 from bmoe.modelmaker import make_model
 from bmoe.modelmaker.quantize import quantize
 
-GGML_TYPE_Q4_0 = 2
-GGML_TYPE_Q4_K = 12
+# kind: (llama.cpp's file type for the Qwen3 MoE, the experts' ggml type)
+QUANTS = {"q4_k": ("Q4_K_M", 12), "q4_0": ("Q4_0", 2), "iq4_nl": ("IQ4_NL", 20),
+          "q2_k": ("Q2_K", 10)}
 BASE = {"temp": 0, "ctx-size": 512, "threads": 2, "repack": "on", "ubatch-size": 128,
         "batch-size": 128}
 PROMPT = 200            # tokens: every batch of 128 and the rest of 72 pass MIN_TOKENS (32)
@@ -41,7 +43,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     f16 = make_model(d / "qwen-f16.gguf", n_layer=2, n_embd=256, n_head=4, n_head_kv=2,
                      head_dim=64, n_expert=16, n_expert_used=4, n_ff_exp=256, dtype="f16",
                      residual_scale=0.3, seed=12)
-    return {"mxfp4": oss, "q4_k": quantize(f16, d / "qwen-q4_k_m.gguf", "Q4_K_M")}
+    out = {"mxfp4": oss}
+    for kind, (ftype, _) in QUANTS.items():
+        out[kind] = quantize(f16, d / f"qwen-{kind}.gguf", ftype)
+    return out
 
 
 def scratch_kernels(ggml_type: int, ne0: int, ne1: int, ne2: int) -> int:
@@ -63,14 +68,15 @@ def scratch_kernels(ggml_type: int, ne0: int, ne1: int, ne2: int) -> int:
 
 def expected_wraps(ggml_type: int, ne0: int, ne1: int, ne2: int) -> bool:
     """Whether this host should wrap an expert tensor of this type and shape: repacking
-    allowed by the kernel choice and CPU_REPACK picking one of the two kinds for it."""
+    allowed by the kernel choice and CPU_REPACK picking one of the kinds for it."""
     if not kernels.choose("on").extra_bufts:
         return False
     traits = scratch_kernels(ggml_type, ne0, ne1, ne2)
     return bool(traits) and moegemm.wrap(traits) != 0
 
 
-WANT = {"mxfp4": (GGML_TYPE_MXFP4, 256, 256, 16), "q4_k": (GGML_TYPE_Q4_K, 256, 256, 16)}
+WANT = {"mxfp4": (GGML_TYPE_MXFP4, 256, 256, 16),
+        **{kind: (t, 256, 256, 16) for kind, (_, t) in QUANTS.items()}}
 
 
 def prompt_of(s: Session, n: int) -> list[int]:
@@ -100,7 +106,7 @@ def run(path: Path, n_prompt: int, gemm: str, monkeypatch: pytest.MonkeyPatch,
         s.close()
 
 
-@pytest.mark.parametrize("kind", ["mxfp4", "q4_k"])
+@pytest.mark.parametrize("kind", ["mxfp4", *QUANTS])
 def test_a_prompts_expert_rows_run_four_at_a_time_with_llama_cpps_results(
         models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """Resident, repacking on: with the wrapper the prompt's MUL_MAT_IDs run four rows at
@@ -142,17 +148,14 @@ def test_streamed_experts_run_four_rows_at_a_time_as_resident_ones(
     assert streamed[1].tobytes() == resident[1].tobytes()
 
 
-def test_only_the_two_kinds_are_wrapped() -> None:
-    """An object whose virtual functions are not one of the two kinds' is never wrapped:
-    a made-up object, and CPU_REPACK's own object for Q4_0 (another kind of kernels)."""
+def test_only_the_kinds_are_wrapped() -> None:
+    """An object whose virtual functions are not one of the kinds' is never wrapped (a
+    made-up object); one that is gets one wrapper, which wrapped again is itself."""
     fake_vtable = (ctypes.c_void_p * 6)(*([ctypes.cast(ctypes.pythonapi.Py_IsInitialized,
                                                        ctypes.c_void_p).value] * 6))
     fake = (ctypes.c_void_p * 2)(ctypes.addressof(fake_vtable), None)
     assert moegemm.wrap(ctypes.addressof(fake)) == 0
     assert moegemm.wrap(0) == 0
-    q4_0 = scratch_kernels(GGML_TYPE_Q4_0, 256, 16, 4)
-    if q4_0:
-        assert moegemm.wrap(q4_0) == 0
     mx = scratch_kernels(*WANT["mxfp4"])
     w = moegemm.wrap(mx)
     if w:

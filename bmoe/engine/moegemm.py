@@ -7,12 +7,12 @@ gpt-oss-120b slice that kernel was two thirds of a prompt's CPU. The native modu
 the expert tensor's kernels (its ``tensor->extra``): a MUL_MAT_ID of at least 32 tokens
 groups each expert's rows and runs llama.cpp's own gemm kernel on every four of them and
 its gemv on the rest; everything else (decode steps, MUL_MAT, other ops) goes to
-llama.cpp's object unchanged. Two kinds are wrapped, where this build's ``CPU_REPACK``
-picks them on this CPU: MXFP4 in 8x8 blocks (gpt-oss) and Q4_K in 8x8 blocks (Qwen3's
-Q4_K_M experts).
+llama.cpp's object unchanged. The kinds wrapped are the ones this build's ``CPU_REPACK``
+picks on x86 (AVX2 and up): MXFP4 (gpt-oss), Q4_K (Qwen3's Q4_K_M experts), Q4_0,
+IQ4_NL and Q2_K (AVX-512), each in 8x8 blocks.
 
 The wrapper only ever wraps an object whose virtual functions are exactly those of one
-of the two kinds in the loaded ``libggml-cpu`` (found by name), after the module has
+of the kinds in the loaded ``libggml-cpu`` (found by name), after the module has
 checked its mirror of ``struct ggml_tensor`` against the loaded ggml; otherwise nothing
 changes. A resident model gets it through an eval callback that answers "no" to every
 node (`callback`); the expert streamer wraps the tensors it binds (`wrap`).
@@ -36,7 +36,6 @@ from .kernels import extra_bufts
 log = logging.getLogger(__name__)
 
 ENV = "BMOE_MOE_GEMM"
-KINDS = ("mxfp4 8x8", "q4_K 8x8")
 _NATIVE = Path(__file__).resolve().parent.parent / "native"
 
 
@@ -53,6 +52,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.bmoe_moegemm_init.argtypes = [ctypes.c_void_p]
     lib.bmoe_moegemm_wrap.restype = ctypes.c_void_p
     lib.bmoe_moegemm_wrap.argtypes = [ctypes.c_void_p]
+    lib.bmoe_moegemm_kind.restype = ctypes.c_char_p
+    lib.bmoe_moegemm_kind.argtypes = [ctypes.c_int32]
     lib.bmoe_moegemm_stats.restype = None
     lib.bmoe_moegemm_stats.argtypes = [ctypes.c_void_p]
     return lib
@@ -73,7 +74,14 @@ def _ready() -> tuple[str, ...]:
         log.warning("moegemm: this llama.cpp's struct ggml_tensor is not the one the native "
                     "module reads; prompt MoE matmuls keep llama.cpp's own kernels")
         return ()
-    return tuple(name for i, name in enumerate(KINDS) if got & (1 << i))
+    names = []
+    for i in range(32):
+        name = lib.bmoe_moegemm_kind(i)
+        if name is None:
+            break
+        if got & (1 << i):
+            names.append(name.decode())
+    return tuple(names)
 
 
 def enabled() -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 
 # The file types llama.cpp's quantizer writes that the tests and the probe use, by the
 # names llama-quantize takes. Each maps to llama.cpp's LLAMA_FTYPE_MOSTLY_<NAME>.
-FTYPES = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4_MOE")
+FTYPES = ("Q2_K", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4_MOE")
 
 
 class QuantizeError(RuntimeError):

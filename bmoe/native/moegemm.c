@@ -19,11 +19,11 @@
  * The kernels are llama.cpp's (the same functions its MUL_MAT runs on a batch, compiled
  * for this CPU by its build and covered by the engine's kernel probe); nothing here is
  * SIMD. The wrapped object is only ever one whose virtual `work_size` and
- * `compute_forward` are exactly those of a `tensor_traits<block_mxfp4, 8, 8, Q8_0>` or
- * `tensor_traits<block_q4_K, 8, 8, Q8_K>` of the loaded libggml-cpu (compared through
- * the object's vtable with the symbols looked up by name), which also checks the vtable
- * slots this file calls and fills: [D1, D0, work_size, compute_forward, repack]. Anything else
- * is left alone.
+ * `compute_forward` are exactly those of one of the x86 kinds of the loaded libggml-cpu
+ * (`KINDS`: `tensor_traits<block_mxfp4, 8, 8, Q8_0>`, Q4_K, Q4_0, IQ4_NL and Q2_K in 8x8
+ * blocks; compared through the object's vtable with the symbols looked up by name),
+ * which also checks the vtable slots this file calls and fills: [D1, D0, work_size,
+ * compute_forward, repack]. Anything else is left alone.
  *
  * `bmoe_moegemm_evalcb` is an eval callback for a resident model: it answers "no" to
  * every node (llama.cpp then computes each split whole, as without a callback) and, at
@@ -85,7 +85,7 @@ typedef bool (*work_size_fn)(void *self, int n_threads, const struct gt *op, siz
 typedef bool (*compute_fn)(void *self, struct cparams *params, struct gt *op);
 typedef void (*barrier_fn)(void *threadpool);
 
-enum { K_MXFP4, K_Q4_K, N_KINDS };
+enum { K_MXFP4, K_Q4_K, K_Q4_0, K_IQ4_NL, K_Q2_K, N_KINDS };
 
 typedef struct {
     const char *name;
@@ -115,6 +115,24 @@ static kind_t KINDS[N_KINDS] = {
      .gemm = KERN("gemm", "10block_q4_K", "15"), .gemv = KERN("gemv", "10block_q4_K", "15"),
      .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type15EEvPKfPvll",
      .weight_type = 12, .param_type = 15},
+    {.name = "q4_0 8x8",
+     .work_size = TT("10block_q4_0", "8") "9work_sizeEiPK11ggml_tensorRm",
+     .compute = TT("10block_q4_0", "8") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
+     .gemm = KERN("gemm", "10block_q4_0", "8"), .gemv = KERN("gemv", "10block_q4_0", "8"),
+     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type8EEvPKfPvll",
+     .weight_type = 2, .param_type = 8},
+    {.name = "iq4_nl 8x8",
+     .work_size = TT("12block_iq4_nl", "8") "9work_sizeEiPK11ggml_tensorRm",
+     .compute = TT("12block_iq4_nl", "8") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
+     .gemm = KERN("gemm", "12block_iq4_nl", "8"), .gemv = KERN("gemv", "12block_iq4_nl", "8"),
+     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type8EEvPKfPvll",
+     .weight_type = 20, .param_type = 8},
+    {.name = "q2_K 8x8",
+     .work_size = TT("10block_q2_K", "15") "9work_sizeEiPK11ggml_tensorRm",
+     .compute = TT("10block_q2_K", "15") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
+     .gemm = KERN("gemm", "10block_q2_K", "15"), .gemv = KERN("gemv", "10block_q2_K", "15"),
+     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type15EEvPKfPvll",
+     .weight_type = 10, .param_type = 15},
 };
 
 /* The wrapper: laid out as a C++ object with one vtable pointer. */
@@ -348,8 +366,8 @@ static int check_layout(void *h) {
  * the copy llama.cpp runs: the CPU_REPACK buffer type's get_name; a wheel's library
  * folder has the same library under several names, each a separate file, so a name
  * could map a second copy), and ggml's functions through its dependencies, after
- * checking the tensor layout against them. Returns a bit mask of the kinds found (bit 0
- * MXFP4 8x8, bit 1 Q4_K 8x8; 0: nothing to do), or -1 when ggml's layout is not the one
+ * checking the tensor layout against them. Returns a bit mask of the kinds found (bit i
+ * for KINDS[i], see bmoe_moegemm_kind; 0: nothing to do), or -1 when ggml's layout is not the one
  * this file reads (then nothing is ever wrapped). */
 EXPORT int bmoe_moegemm_init(const void *anchor) {
     if (G.ready)
@@ -432,6 +450,11 @@ EXPORT bool bmoe_moegemm_evalcb(void *node, bool ask, void *user_data) {
         }
     }
     return !ask;
+}
+
+/* Kind `i`'s name ("mxfp4 8x8", ...), or NULL past the last: bit i of init's mask. */
+EXPORT const char *bmoe_moegemm_kind(int32_t i) {
+    return i >= 0 && i < N_KINDS ? KINDS[i].name : NULL;
 }
 
 /* Prompt MUL_MAT_IDs run here since load, and tensors given the wrapper by the callback. */
