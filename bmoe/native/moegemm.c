@@ -197,7 +197,8 @@ static bool w_work_size(void *self, int n_threads, const struct gt *op, size_t *
 
 static bool w_compute(void *self, struct cparams *p, struct gt *op) {
     wrap_t *w = self;
-    if (!ours(op) || p->wsize < own_size(w->kind, p->nth, op))
+    if (!ours(op) || p->nth < 1 || p->ith < 0 || p->ith >= p->nth || !p->wdata
+        || p->wsize < own_size(w->kind, p->nth, op))
         return ((compute_fn)slot(w->orig, 3))(w->orig, p, op);
     const kind_t *k = w->kind;
     const struct gt *src0 = op->src[0], *src1 = op->src[1], *ids = op->src[2];
