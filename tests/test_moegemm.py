@@ -19,9 +19,7 @@ import pytest
 
 from bmoe.engine import kernels, moegemm
 from bmoe.engine.experts import streamer_factory
-from bmoe.engine.experts import ggml
 from bmoe.engine.experts.repack import GGML_TYPE_MXFP4, RepackUnavailable, packer
-from bmoe.engine.experts.repack import _lib as repack_lib
 from bmoe.engine.session import Session
 from bmoe.modelmaker import make_model
 from bmoe.modelmaker.quantize import quantize
@@ -50,20 +48,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def scratch_kernels(ggml_type: int, ne0: int, ne1: int, ne2: int) -> int:
-    """The kernels object CPU_REPACK gives a tensor of this type and shape on this CPU (0:
-    none, or no CPU_REPACK here): a scratch tensor initialised in a CPU_REPACK buffer."""
+    """The kernels object CPU_REPACK gives a tensor of this type and shape here (0: none,
+    or no CPU_REPACK here)."""
     try:
-        p = packer()
+        return packer().scratch_kernels(ggml_type, ne0, ne1, ne2)
     except RepackUnavailable:
         return 0
-    lib = repack_lib()
-    ctx = lib.ggml_init(ggml._InitParams(1 << 12, None, True))
-    try:
-        t = lib.ggml_new_tensor_3d(ctx, ggml_type, ne0, ne1, ne2)
-        lib.ggml_backend_buffer_init_tensor(p.buffer, t)
-        return int(ggml.tensor_at(t).extra or 0)
-    finally:
-        lib.ggml_free(ctx)
 
 
 def expected_wraps(ggml_type: int, ne0: int, ne1: int, ne2: int) -> bool:

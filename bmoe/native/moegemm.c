@@ -102,37 +102,22 @@ typedef struct {
 #define TT(b, p) "_ZN4ggml3cpu6repack13tensor_traitsI" b "Ll8ELl8EL9ggml_type" p "EE"
 #define KERN(f, b, p) "_ZN4ggml3cpu6repack4" f "I" b "Ll8ELl8EL9ggml_type" p "EEEviPfmPKvS7_ii"
 
+/* One kind: its name, the block type's mangled name and ggml type, and the param type's
+ * ggml type (8: Q8_0, 15: Q8_K) as it appears in the mangled names. */
+#define KIND(label, blk, wtype, ptype) \
+    {.name = label, \
+     .work_size = TT(blk, #ptype) "9work_sizeEiPK11ggml_tensorRm", \
+     .compute = TT(blk, #ptype) "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor", \
+     .gemm = KERN("gemm", blk, #ptype), .gemv = KERN("gemv", blk, #ptype), \
+     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type" #ptype "EEvPKfPvll", \
+     .weight_type = wtype, .param_type = ptype}
+
 static kind_t KINDS[N_KINDS] = {
-    {.name = "mxfp4 8x8",
-     .work_size = TT("11block_mxfp4", "8") "9work_sizeEiPK11ggml_tensorRm",
-     .compute = TT("11block_mxfp4", "8") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
-     .gemm = KERN("gemm", "11block_mxfp4", "8"), .gemv = KERN("gemv", "11block_mxfp4", "8"),
-     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type8EEvPKfPvll",
-     .weight_type = 39, .param_type = 8},
-    {.name = "q4_K 8x8",
-     .work_size = TT("10block_q4_K", "15") "9work_sizeEiPK11ggml_tensorRm",
-     .compute = TT("10block_q4_K", "15") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
-     .gemm = KERN("gemm", "10block_q4_K", "15"), .gemv = KERN("gemv", "10block_q4_K", "15"),
-     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type15EEvPKfPvll",
-     .weight_type = 12, .param_type = 15},
-    {.name = "q4_0 8x8",
-     .work_size = TT("10block_q4_0", "8") "9work_sizeEiPK11ggml_tensorRm",
-     .compute = TT("10block_q4_0", "8") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
-     .gemm = KERN("gemm", "10block_q4_0", "8"), .gemv = KERN("gemv", "10block_q4_0", "8"),
-     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type8EEvPKfPvll",
-     .weight_type = 2, .param_type = 8},
-    {.name = "iq4_nl 8x8",
-     .work_size = TT("12block_iq4_nl", "8") "9work_sizeEiPK11ggml_tensorRm",
-     .compute = TT("12block_iq4_nl", "8") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
-     .gemm = KERN("gemm", "12block_iq4_nl", "8"), .gemv = KERN("gemv", "12block_iq4_nl", "8"),
-     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type8EEvPKfPvll",
-     .weight_type = 20, .param_type = 8},
-    {.name = "q2_K 8x8",
-     .work_size = TT("10block_q2_K", "15") "9work_sizeEiPK11ggml_tensorRm",
-     .compute = TT("10block_q2_K", "15") "15compute_forwardEP19ggml_compute_paramsP11ggml_tensor",
-     .gemm = KERN("gemm", "10block_q2_K", "15"), .gemv = KERN("gemv", "10block_q2_K", "15"),
-     .qmat = "_Z19ggml_quantize_mat_tILl8EL9ggml_type15EEvPKfPvll",
-     .weight_type = 10, .param_type = 15},
+    KIND("mxfp4 8x8", "11block_mxfp4", 39, 8),
+    KIND("q4_K 8x8", "10block_q4_K", 12, 15),
+    KIND("q4_0 8x8", "10block_q4_0", 2, 8),
+    KIND("iq4_nl 8x8", "12block_iq4_nl", 20, 8),
+    KIND("q2_K 8x8", "10block_q2_K", 10, 15),
 };
 
 /* The wrapper: laid out as a C++ object with one vtable pointer. */

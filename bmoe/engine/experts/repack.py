@@ -109,16 +109,7 @@ class Packer:
             return self._kernels[key]
         if ggml_type != GGML_TYPE_MXFP4 or ne0 % BLOCK_ELEMS or ne1 % GROUP_ROWS:
             raise RepackUnavailable("only MXFP4 rows in whole groups of 8 are repacked")
-        lib = _lib()
-        ctx = lib.ggml_init(ggml._InitParams(1 << 12, None, True))
-        if not ctx:
-            raise RepackUnavailable("ggml_init failed")
-        try:
-            t = lib.ggml_new_tensor_3d(ctx, ggml_type, ne0, ne1, ne2)
-            lib.ggml_backend_buffer_init_tensor(self.buffer, t)
-            extra = ggml.tensor_at(t).extra or 0
-        finally:
-            lib.ggml_free(ctx)
+        extra = self.scratch_kernels(ggml_type, ne0, ne1, ne2)
         if not extra:
             raise RepackUnavailable("CPU_REPACK has no kernels for MXFP4 on this CPU "
                                     "(the 8x8 ones need AVX2)")
@@ -127,6 +118,20 @@ class Packer:
                                     "the 8x8 blocks the streamer writes")
         self._kernels[key] = extra
         return extra
+
+    def scratch_kernels(self, ggml_type: int, ne0: int, ne1: int, ne2: int) -> int:
+        """The kernels object ``CPU_REPACK`` gives a tensor of any type and shape on this
+        CPU (0: none), asked with a scratch tensor initialised in its buffer."""
+        lib = _lib()
+        ctx = lib.ggml_init(ggml._InitParams(1 << 12, None, True))
+        if not ctx:
+            raise RepackUnavailable("ggml_init failed")
+        try:
+            t = lib.ggml_new_tensor_3d(ctx, ggml_type, ne0, ne1, ne2)
+            lib.ggml_backend_buffer_init_tensor(self.buffer, t)
+            return int(ggml.tensor_at(t).extra or 0)
+        finally:
+            lib.ggml_free(ctx)
 
     def _same_layout(self, ggml_type: int, ne0: int, kernels: int) -> bool:
         """Whether `pack_mxfp4` writes, byte for byte, what ``CPU_REPACK`` writes for 8
