@@ -81,8 +81,8 @@ class DecideResult:
         return {
             "cancelled": self.cancelled, "best": self.best, "choice_logp": self.choice_logp,
             "n_tokens": self.n_tokens, "n_reused": self.n_reused,
-            "n_prefilled": self.n_prefilled, "restore_s": round(self.restore_s, 4),
-            "store_s": round(self.store_s, 4), "prefill_s": round(self.prefill_s, 4),
+            "n_prefilled": self.n_prefilled, "restore_s": round(self.restore_s, 6),
+            "store_s": round(self.store_s, 6), "prefill_s": round(self.prefill_s, 4),
             "prefill_cpu_s": round(self.prefill_cpu_s, 4),
             "prefill_read_mib": round(s.get("read_mib", 0.0), 3),
             "prefill_io_s": round(s.get("io_ms", 0.0) / 1000.0, 4),
