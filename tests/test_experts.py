@@ -265,6 +265,55 @@ def test_prefill_read_ahead_matches(models: dict[str, Path], name: str, ahead: b
         ref.close()
 
 
+@pytest.mark.parametrize("name", ["moe", "moe-oss"])
+def test_prefill_read_ahead_follows_the_ubatches(models: dict[str, Path], name: str) -> None:
+    """A prompt in two chunks of 512 tokens, each two ubatches of 256: every ubatch's
+    first layer is read ahead before its routing (from the chunk's start, and while the
+    ubatch before computes its last layers), and nothing is read ahead for the rows the
+    model's last layer skips (it runs only the prompt's last row); the tokens and the last
+    logits stay the resident engine's, byte for byte."""
+    long = [{"role": "user", "content": "Tell me about the weather in every city. " * 45}]
+    sizes = {"batch-size": 512, "ubatch-size": 256, "ctx-size": 2048}
+    ref = Session(models[name], dict(BASE, **sizes))
+    s = open_session(models[name], **STREAM, **{"cache-mb": 2, **sizes})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer) and st.queue is not None
+        firsts: list[int] = []
+        queued: dict[int, int] = {}
+        ahead_first, queue_guess = st._ahead_first, st._queue_guess
+
+        def spy_first(n: int) -> None:
+            firsts.append(n)
+            ahead_first(n)
+
+        def spy_queue(j: int, guess: np.ndarray, prio: int, c: Any) -> Any:
+            if st._in_prefill:                  # not the answer's read-ahead
+                queued[j] = queued.get(j, 0) + len(guess)
+            return queue_guess(j, guess, prio, c)
+
+        st._ahead_first = spy_first            # type: ignore[method-assign]
+        st._queue_guess = spy_queue            # type: ignore[method-assign]
+        want, _, _ = turn(ref, long, n=8)
+        got, summary, _ = turn(s, long, n=8)
+        n = summary["n_prompt"]
+        assert 768 < n <= 1024
+        assert got == want and ref.logits_row().tobytes() == s.logits_row().tobytes()
+        rest = n - 768
+        # chunk 1: at its start, then from ubatch 1 (for 2) and ubatch 2 (for 3);
+        # chunk 2: at its start (ubatch 3, queued already), then from ubatch 3 (for 4)
+        assert firsts == [256, 256, 256, 256, rest] and rest * MOE["n_expert_used"] >= 16
+        last = MOE["n_layer"] - 1
+        # the last layer: at most the last row's top-k, guessed once (not every expert
+        # for each ubatch, as each one's 256 rows would route to)
+        assert 0 < queued[last] <= MOE["n_expert_used"]
+        assert queued[0] >= 4 * (MOE["n_expert"] if name == "moe" else OSS["n_expert"])
+        assert st.summary()["spec_useful"] > 0
+    finally:
+        s.close()
+        ref.close()
+
+
 def test_prefill_read_ahead_needs_room_for_two_layers(models: dict[str, Path]) -> None:
     """A cache below two layers' batch sets: the layer computing holds its set, the next
     one's would find no room, so prompt read-ahead stays off and says why."""
@@ -477,6 +526,9 @@ class RouterProbe:
         pass
 
     def prefill_begin(self) -> None:
+        pass
+
+    def batch_begin(self, n_tokens: int, n_outputs: int, n_after: int) -> None:
         pass
 
     def prefill_end(self) -> None:

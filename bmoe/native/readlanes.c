@@ -35,6 +35,9 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #ifndef MREMAP_DONTUNMAP
 #define MREMAP_DONTUNMAP 4
@@ -286,13 +289,29 @@ static int pack_mxfp4_8(char *p, int64_t n, int64_t rowbytes) {
     for (int64_t g = 0; g < n; g += group) {
         char *d = p + g;
         memcpy(tmp, d, (size_t)group);
+        const char *next = g + group < n ? p + g + group : NULL;
         for (int64_t x = 0; x < nb; x++) {
             const char *blk = tmp + x * 17;
+            if (next)          /* the next group's lines on their way while this permutes */
+                for (int64_t o = x * group / nb & ~(int64_t)63; o < (x + 1) * group / nb;
+                     o += 64)
+                    __builtin_prefetch(next + o, 1);
             for (int i = 0; i < 8; i++)
                 d[i] = blk[i * rowbytes];
+#if defined(__SSE2__)
+            /* each row's 16 bytes of nibbles in one load; two rows' first halves (or
+               second halves) to one 16-byte store: half the moves of 8-byte pieces */
+            for (int i = 0; i < 8; i += 2) {
+                __m128i a = _mm_loadu_si128((const __m128i *)(blk + i * rowbytes + 1));
+                __m128i b = _mm_loadu_si128((const __m128i *)(blk + (i + 1) * rowbytes + 1));
+                _mm_storeu_si128((__m128i *)(d + 8 + i * 8), _mm_unpacklo_epi64(a, b));
+                _mm_storeu_si128((__m128i *)(d + 72 + i * 8), _mm_unpackhi_epi64(a, b));
+            }
+#else
             for (int h = 0; h < 2; h++)
                 for (int i = 0; i < 8; i++)
                     memcpy(d + 8 + (h * 8 + i) * 8, blk + i * rowbytes + 1 + h * 8, 8);
+#endif
             d += 136;
         }
     }

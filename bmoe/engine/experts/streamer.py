@@ -190,6 +190,11 @@ class ExpertStreamer:
         self._pending_out: dict[tuple[int, int], QueuedGroup] = {}  # pages a read will take
         self._spec: np.ndarray = np.zeros((0, 0), dtype=bool)     # read ahead, not yet used
         self._guess: dict[int, np.ndarray] = {}                   # this token's guesses
+        # a prompt's ubatches as Session.decode announces its chunks (`batch_begin`):
+        # (tokens, output rows, the next ubatch's tokens or 0) each, in order; and the one
+        # computing, taken when its first streamed layer is routed
+        self._ubatches: list[tuple[int, int, int]] = []
+        self._ub: tuple[int, int, int] | None = None
         self._busy_at = 0.0
         self._src_unit: dict[int, tuple[int, int]] = {}
         # expert slots (`_start_slots`): the slot each expert of a layer is read into
@@ -904,6 +909,8 @@ class ExpertStreamer:
             self._check_slots(node)
         self.ensure(layer, used)
         if self._batch_routers is not None and n > 1:
+            if self._layer_ids and layer == self._layer_ids[0]:
+                self._take_ubatch(n)
             self._prefill_ahead(layer, node, n)
         if self.predictor is not None and n == 1:
             self.predictor.last[layer] = ids[0].astype(np.int64)
@@ -1049,8 +1056,20 @@ class ExpertStreamer:
             return
         t0 = time.perf_counter()
         c = self._turn if self._in_prefill else self._token
+        ub = self._ub
+        if ub is not None and nxt == self.layout.n_layer - 1:
+            # llama.cpp's last layer runs only the batch's output rows (its last ones)
+            n = ub[1]
+            if n == 0:          # none: nothing to read for it; the next ubatch's first
+                if ub[2]:       # layer instead, while this one finishes
+                    self._ahead_first(ub[2])
+                for cc in (c, self._total):
+                    cc.mgmt_s += time.perf_counter() - t0
+                return
         router = self._batch_routers.get(nxt)
         h = router_rows(ggml.tensor_at(node), layer) if router is not None else None
+        if h is not None and n < len(h):
+            h = h[len(h) - n:]
         guess = batch_guess(router, h, self.layout.n_expert_used, self.layout.n_expert, n,
                             self._batch_biases.get(nxt))
         if len(guess):
@@ -1058,6 +1077,28 @@ class ExpertStreamer:
             self._queue_guess(nxt, guess, 1, c)
         for cc in (c, self._total):
             cc.mgmt_s += time.perf_counter() - t0
+
+    def _take_ubatch(self, n: int) -> None:
+        """A prompt batch of `n` tokens reached the first streamed layer: the ubatch
+        `batch_begin` announced, if it is that one (else the announcements are dropped)."""
+        if self._ubatches and self._ubatches[0][0] == n:
+            self._ub = self._ubatches.pop(0)
+        else:
+            self._ubatches.clear()
+            self._ub = None
+
+    def _ahead_first(self, n: int) -> None:
+        """Queue the first streamed layer's experts for a coming ubatch of `n` tokens,
+        before any of its routing is known: every expert, when the batch routes to at least
+        twice as many choices as the layer has (a uniform routing then uses 86 % of them,
+        a 500-token batch with top-4 of 128 all but none); else nothing."""
+        lay = self.layout
+        if not self._layer_ids or n * lay.n_expert_used < 2 * lay.n_expert:
+            return
+        j = self._layer_ids[0]
+        guess = np.arange(lay.n_expert, dtype=np.int64)
+        self._guess[j] = guess
+        self._queue_guess(j, guess, 1, self._turn if self._in_prefill else self._token)
 
     def _queue_guess(self, j: int, guess: np.ndarray, prio: int,
                      c: _Counters) -> list[QueuedGroup]:
@@ -1230,10 +1271,42 @@ class ExpertStreamer:
     def prefill_begin(self) -> None:
         self._turn = _Counters()
         self._in_prefill = True
+        self._ubatches.clear()
+        self._ub = None
+
+    def batch_begin(self, n_tokens: int, n_outputs: int, n_after: int) -> None:
+        """Session.decode's chunk about to run: `n_tokens` tokens, the last `n_outputs` of
+        them with logits, `n_after` tokens of the same prompt in later chunks. llama.cpp
+        splits a chunk of one sequence into ubatches of n_ubatch in order. A prompt's
+        read-ahead (`_prefill_ahead`) then reads nothing for the rows the model's last
+        layer skips (it runs only the output rows), and reads each ubatch's first layer
+        before its routing: from the chunk's start, and while the ubatch before it computes
+        its last layers."""
+        self._ubatches.clear()
+        self._ub = None
+        if n_tokens <= 1 or self._batch_routers is None or self.queue is None:
+            return
+        try:
+            ub = self.n_ubatch if self.n_ubatch > 0 else n_tokens
+            first_out = n_tokens - max(0, min(n_outputs, n_tokens))
+            starts = list(range(0, n_tokens, ub))
+            for s in starts:
+                e = min(n_tokens, s + ub)
+                after = min(ub, n_tokens - e) if e < n_tokens else min(ub, max(0, n_after))
+                self._ubatches.append((e - s, max(0, e - max(s, first_out)), after))
+            t0 = time.perf_counter()
+            self._ahead_first(self._ubatches[0][0])
+            c = self._turn if self._in_prefill else self._token
+            for cc in (c, self._total):
+                cc.mgmt_s += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - read at routing, as any failure
+            self._fail(e)
 
     def prefill_end(self) -> None:
         self._fold_resident()
         self._in_prefill = False
+        self._ubatches.clear()
+        self._ub = None
 
     def token_begin(self) -> None:
         self._token = _Counters()
