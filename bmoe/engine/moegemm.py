@@ -122,9 +122,10 @@ def callback() -> Any:
 
 def stats() -> dict[str, int]:
     """``ops``: prompt MUL_MAT_IDs run by the wrapper since load; ``swaps``: tensors the
-    resident callback gave it."""
+    resident callback gave it; ``padded``: an expert's last groups of two or three rows it
+    ran as four (padded with copies of the last row)."""
     lib = _lib()
-    out = (ctypes.c_uint64 * 2)()
+    out = (ctypes.c_uint64 * 3)()
     if lib is not None:
         lib.bmoe_moegemm_stats(out)
-    return {"ops": int(out[0]), "swaps": int(out[1])}
+    return {"ops": int(out[0]), "swaps": int(out[1]), "padded": int(out[2])}
