@@ -155,18 +155,24 @@ static int64_t groups_of(int64_t count) { return count / 4 + (count % 4 >= 2); }
 /* The quantized rows the groups of `routed` rows over `n_as` experts can take, at most. */
 static int64_t group_rows(int64_t routed, int64_t n_as) { return 4 * (routed / 4 + n_as + 1); }
 
-/* What our path needs of the work buffer for `op` (MUL_MAT_ID, F32 src1), in bytes. The
- * parts, in order, as w_compute lays them out. */
-static size_t own_size(const kind_t *k, int nth, const struct gt *op) {
+/* Where our path's parts sit in the work buffer for `op` (MUL_MAT_ID, F32 src1): byte
+ * offsets, in order, and the size in all (w_work_size asks it, w_compute lays out by it). */
+typedef struct {
+    size_t rows, qg, qr, mine, mine_each, total;
+} layout_t;
+
+static layout_t layout_of(const kind_t *k, int nth, const struct gt *op) {
     const struct gt *src0 = op->src[0], *src1 = op->src[1], *ids = op->src[2];
     int64_t n_as = src0->ne[2], n_tok = ids->ne[1], n_ids = ids->ne[0];
-    int64_t rowq = src1->ne[0] / k->param_blck * k->param_bsize;
-    int64_t routed = n_tok * n_ids;
-    return pad(sizeof(int64_t) * (size_t)n_as * 3)                 /* counts, groups, rest */
-         + pad(sizeof(int32_t) * 2 * (size_t)(n_as * n_tok))       /* (slot, token) rows */
-         + pad((size_t)group_rows(routed, n_as) * (size_t)rowq)    /* groups, padded too */
-         + pad((size_t)(3 * n_as + 1) * (size_t)rowq)              /* the rest, a row each */
-         + (size_t)nth * pad(sizeof(float) * 4 * (size_t)(src0->ne[1] + src1->ne[0]));
+    size_t rowq = (size_t)(src1->ne[0] / k->param_blck * k->param_bsize);
+    layout_t l;
+    l.rows = pad(sizeof(int64_t) * (size_t)n_as * 3);            /* counts, groups, rest */
+    l.qg = l.rows + pad(sizeof(int32_t) * 2 * (size_t)(n_as * n_tok));  /* (slot, token) */
+    l.qr = l.qg + pad((size_t)group_rows(n_tok * n_ids, n_as) * rowq);  /* the groups */
+    l.mine = l.qr + pad((size_t)(3 * n_as + 1) * rowq);           /* the rest, a row each */
+    l.mine_each = pad(sizeof(float) * 4 * (size_t)(src0->ne[1] + src1->ne[0]));
+    l.total = l.mine + (size_t)nth * l.mine_each;                /* each thread's rows */
+    return l;
 }
 
 static bool ours(const struct gt *op) {
@@ -184,7 +190,7 @@ static bool w_work_size(void *self, int n_threads, const struct gt *op, size_t *
     wrap_t *w = self;
     bool got = ((work_size_fn)slot(w->orig, 2))(w->orig, n_threads, op, size);
     if (got && ours(op)) {
-        size_t mine = own_size(w->kind, n_threads, op);
+        size_t mine = layout_of(w->kind, n_threads, op).total;
         if (mine > *size)
             *size = mine;
     }
@@ -193,8 +199,10 @@ static bool w_work_size(void *self, int n_threads, const struct gt *op, size_t *
 
 static bool w_compute(void *self, struct cparams *p, struct gt *op) {
     wrap_t *w = self;
-    if (!ours(op) || p->nth < 1 || p->ith < 0 || p->ith >= p->nth || !p->wdata
-        || p->wsize < own_size(w->kind, p->nth, op))
+    if (!ours(op) || p->nth < 1 || p->ith < 0 || p->ith >= p->nth || !p->wdata)
+        return ((compute_fn)slot(w->orig, 3))(w->orig, p, op);
+    const layout_t lay = layout_of(w->kind, p->nth, op);
+    if (p->wsize < lay.total)
         return ((compute_fn)slot(w->orig, 3))(w->orig, p, op);
     const kind_t *k = w->kind;
     const struct gt *src0 = op->src[0], *src1 = op->src[1], *ids = op->src[2];
@@ -204,14 +212,9 @@ static bool w_compute(void *self, struct cparams *p, struct gt *op) {
     const int64_t rowq = ne00 / k->param_blck * k->param_bsize;
     char *wd = p->wdata;
     int64_t *count = (int64_t *)wd, *gstart = count + n_as, *rstart = gstart + n_as;
-    wd += pad(sizeof(int64_t) * (size_t)n_as * 3);
-    int32_t *rows = (int32_t *)wd;                       /* [n_as][n_tok] (slot, token) */
-    wd += pad(sizeof(int32_t) * 2 * (size_t)(n_as * n_tok));
-    char *qg = wd;
-    wd += pad((size_t)(group_rows(n_tok * n_ids, n_as)) * (size_t)rowq);
-    char *qr = wd;
-    wd += pad((size_t)(3 * n_as + 1) * (size_t)rowq);
-    float *mine = (float *)(wd + (size_t)ith * pad(sizeof(float) * 4 * (size_t)(ne01 + ne00)));
+    int32_t *rows = (int32_t *)(wd + lay.rows);          /* [n_as][n_tok] (slot, token) */
+    char *qg = wd + lay.qg, *qr = wd + lay.qr;
+    float *mine = (float *)(wd + lay.mine + (size_t)ith * lay.mine_each);
     float *gather = mine + 4 * ne01;
 
     if (ith == 0) {            /* the rows routed to each expert, in token order */
@@ -231,7 +234,7 @@ static bool w_compute(void *self, struct cparams *p, struct gt *op) {
             gstart[a] = g;
             rstart[a] = r;
             g += groups_of(count[a]);
-            r += count[a] - 4 * groups_of(count[a]) > 0;
+            r += count[a] % 4 == 1;                      /* a single row left over */
             padded += count[a] % 4 >= 2;
         }
         __atomic_fetch_add(&G.padded, (uint64_t)padded, __ATOMIC_RELAXED);
@@ -244,7 +247,7 @@ static bool w_compute(void *self, struct cparams *p, struct gt *op) {
     for (int64_t a = 0; a < n_as; a++) {
         const int32_t *r = rows + 2 * a * n_tok;
         int64_t whole = groups_of(count[a]);
-        for (int64_t g = 0; g < whole + (count[a] > 4 * whole); g++, item++) {
+        for (int64_t g = 0; g < whole + (count[a] % 4 == 1); g++, item++) {
             if (item % nth != ith)
                 continue;
             if (g < whole) {
