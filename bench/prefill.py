@@ -38,6 +38,11 @@ requests on the resident server (no cap, every weight in memory). The bench prin
 time to the first token, the expert bytes it read (and read ahead), the time its layers
 waited for reads, the bound, and whether it met it.
 
+`--pack` writes the model's packed experts file first (its MXFP4 experts already in the
+repacked layout, beside the model: `bmoe-server models pack-experts`), so the streamed
+modes read it; `--agent-mode plan,plan-unpacked` is then the A/B of that file, the
+second mode reading the model and permuting as it reads.
+
 Needs root (cgroups, drop_caches). Deletes the model file at the end unless --keep.
 """
 
@@ -63,7 +68,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import MIB, drop_caches  # noqa: E402
 from prompt_memory import _post, _wait_loaded, prompt_tokens  # noqa: E402
-from stream_vs_mmap import add_model_args, make_bench_model, warm_page_cache  # noqa: E402
+from stream_vs_mmap import add_model_args, make_bench_model, pack, warm_page_cache  # noqa: E402
 
 from bmoe.machine.cgroup import MemoryCap  # noqa: E402
 from bmoe.models.probe import probe_file  # noqa: E402
@@ -88,6 +93,9 @@ MODES = {
     # the plan with two read lanes instead of four (fewer lanes preempting the compute
     # threads, for reads that need a fraction of the disk's rate)
     "plan-lanes2": (["--io-threads", "2"], True),
+    # the plan reading the model and permuting MXFP4 experts as they land, where a packed
+    # experts file (--pack) would otherwise be read: the A/B of that file
+    "plan-unpacked": (["--no-packed-experts"], True),
 }
 COUNTERS = {"read_bytes": "bmoe:expert_read_bytes_total",
             "ahead_bytes": "bmoe:expert_read_ahead_bytes_total",
@@ -210,33 +218,40 @@ def two_requests(model: Path, flags: list[str], cap: MemoryCap | None, ids: list
 
 
 def agent_second_request(model: Path, ids: list[int], new: list[int],
-                         args: argparse.Namespace) -> dict[str, Any]:
+                         args: argparse.Namespace) -> list[dict[str, Any]]:
     """The new tokens' prefill is measured, not derived: the same two requests on the
     resident server (no cap, the file in the page cache) give what the new tokens cost
     at the end of that context with every weight in memory; the streamed server's
     second request must answer within it + 0.5 s. (The first prompt's average rate,
-    printed beside it, understates it: the new tokens attend over the whole prefix.)"""
+    printed beside it, understates it: the new tokens attend over the whole prefix.)
+    One resident baseline, then every mode of `--agent-mode` in turn."""
     limit = int(model.stat().st_size * args.cap_frac)
     try:
         base_first, base_second, _ = two_requests(model, MODES["resident"][0], None, ids,
                                                   new, args)
     except RuntimeError as e:
-        return {"outcome": "failed", "why": f"resident: {e}"}
-    cap = MemoryCap(f"bmoe-prefill-agent-{os.getpid()}", limit)
-    try:
+        return [{"outcome": "failed", "why": f"resident: {e}"}]
+    if any(r["outcome"] != "answered" for r in (base_first, base_second)):
+        return [{"outcome": "failed", "runs": (base_first, base_second)}]
+    out = []
+    for mode in args.agent_mode.split(","):
+        cap = MemoryCap(f"bmoe-prefill-agent-{os.getpid()}", limit)
         try:
-            first, second, ahead = two_requests(model, MODES[args.agent_mode][0], cap, ids,
-                                                new, args)
-        except RuntimeError as e:
-            return {"outcome": "failed", "why": str(e)}
-    finally:
-        cap.remove()
-    runs = (base_first, base_second, first, second)
-    if any(r["outcome"] != "answered" for r in runs):
-        return {"outcome": "failed", "runs": runs}
-    new_s = base_second["wall_s"]
-    avg_s = len(new) / (first["tok_s"] or 1.0)
-    return {"outcome": "answered", "server": args.agent_mode, "prefix": len(ids),
+            try:
+                first, second, ahead = two_requests(model, MODES[mode][0], cap, ids,
+                                                    new, args)
+            except RuntimeError as e:
+                out.append({"outcome": "failed", "server": mode, "why": str(e)})
+                continue
+        finally:
+            cap.remove()
+        if any(r["outcome"] != "answered" for r in (first, second)):
+            out.append({"outcome": "failed", "server": mode, "runs": (first, second)})
+            continue
+        new_s = base_second["wall_s"]
+        avg_s = len(new) / (first["tok_s"] or 1.0)
+        out.append({
+            "outcome": "answered", "server": mode, "prefix": len(ids),
             "new": len(new), "prefill_ahead": ahead,
             "first_s": first["wall_s"], "second_s": second["wall_s"],
             "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
@@ -244,7 +259,9 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
             "second_wait_s": round(second["wait_s"], 3),
             "resident_first_s": base_first["wall_s"], "new_prefill_s": new_s,
             "avg_rate_s": round(avg_s, 3), "bound_s": round(new_s + 0.5, 3),
-            "met": second["wall_s"] <= new_s + 0.5}
+            "vs_resident": round(second["wall_s"] / new_s, 3) if new_s else 0.0,
+            "met": second["wall_s"] <= new_s + 0.5})
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -259,12 +276,22 @@ def main(argv: list[str]) -> int:
                         "with --no-agent)")
     p.add_argument("--agent-new", type=int, default=500)
     p.add_argument("--no-agent", action="store_true")
-    p.add_argument("--agent-mode", default="plan", choices=["stream", "plan"])
+    p.add_argument("--agent-mode", default="plan",
+                   help="the streamed servers of the agent's requests, comma-separated "
+                        "(stream, plan, plan-unpacked, plan-lanes2), against one resident "
+                        "baseline")
+    p.add_argument("--pack", action="store_true",
+                   help="write the model's packed experts file first (kept beside the "
+                        "model; plan-unpacked reads the model without it)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--run-timeout", type=float, default=3600.0)
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
     p.add_argument("--json", help="write every run's figures here")
     args = p.parse_args(argv)
+    bad = [m for m in args.agent_mode.split(",") + [m for m in args.modes.split(",") if m]
+           if m not in MODES]
+    if bad:
+        p.error(f"unknown mode(s): {', '.join(bad)}; known: {', '.join(MODES)}")
     sizes = [int(x) for x in args.prompts.split(",")]
     prefix = args.agent_prefix or max(sizes)
     args.ctx_size = max(max(sizes), prefix + args.agent_new) + 64
@@ -275,6 +302,8 @@ def main(argv: list[str]) -> int:
     all_ids = prompt_tokens(model, max(max(sizes), prefix + args.agent_new))
     results: list[dict[str, Any]] = []
     try:
+        if args.pack:
+            pack(model)
         for n in sizes:
             base = None
             for mode in [m for m in args.modes.split(",") if m]:
@@ -302,26 +331,29 @@ def main(argv: list[str]) -> int:
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1))
         if not args.no_agent:
-            a = agent_second_request(model, all_ids[:prefix],
-                                     all_ids[prefix:prefix + args.agent_new], args)
-            results.append({"mode": "agent", **a})
-            if a["outcome"] == "answered":
-                print(f"agent: {a['prefix']}-token prefix in {a['first_s']:.1f} s "
-                      f"(resident {a['resident_first_s']:.1f} s); the same plus {a['new']} "
-                      f"new tokens answered its first token in {a['second_s']:.2f} s (context "
-                      f"{a['second_cached']} tokens, {a['second_read_mib']:.0f} MiB read, "
-                      f"{a['second_ahead_mib']:.0f} MiB of it ahead, layers waited "
-                      f"{a['second_wait_s']:.2f} s) against the bound {a['bound_s']:.2f} s "
-                      f"(the new tokens' prefill on the resident server {a['new_prefill_s']:.2f}"
-                      f" s + 0.5 s; at the first prompt's average rate it would be "
-                      f"{a['avg_rate_s']:.2f} s): {'met' if a['met'] else 'MISSED'}", flush=True)
-            else:
-                print(f"agent: {a['outcome']}: {json.dumps(a)[:400]}", flush=True)
+            for a in agent_second_request(model, all_ids[:prefix],
+                                          all_ids[prefix:prefix + args.agent_new], args):
+                results.append({"mode": "agent", **a})
+                if a["outcome"] == "answered":
+                    print(f"agent ({a['server']}): {a['prefix']}-token prefix in "
+                          f"{a['first_s']:.1f} s (resident {a['resident_first_s']:.1f} s); "
+                          f"the same plus {a['new']} new tokens answered its first token in "
+                          f"{a['second_s']:.2f} s (context {a['second_cached']} tokens, "
+                          f"{a['second_read_mib']:.0f} MiB read, {a['second_ahead_mib']:.0f} "
+                          f"MiB of it ahead, layers waited {a['second_wait_s']:.2f} s) "
+                          f"against the bound {a['bound_s']:.2f} s (the new tokens' prefill "
+                          f"on the resident server {a['new_prefill_s']:.2f} s + 0.5 s; at "
+                          f"the first prompt's average rate it would be "
+                          f"{a['avg_rate_s']:.2f} s), {a['vs_resident']:.3f}x resident: "
+                          f"{'met' if a['met'] else 'MISSED'}", flush=True)
+                else:
+                    print(f"agent: {a['outcome']}: {json.dumps(a)[:400]}", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1))
     finally:
         if not args.keep:
             model.unlink(missing_ok=True)
+            Path(str(model) + ".bmoe-packed").unlink(missing_ok=True)
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     print(f"total {time.monotonic() - t_start:.0f} s")
     return 0

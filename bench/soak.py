@@ -528,7 +528,14 @@ def quiet(servers: list[Server], clients: list[Client], settle_s: float = 12.0
             if not info.get("generating") and not info.get("waiting"):
                 break
             time.sleep(0.2)
-    trims = {srv.name: srv.sample()["heap_trims"] for srv in servers}
+    # A server that went quiet before the others may have trimmed already (a slow host's
+    # last actions end far apart): one generated token each starts a quiet spell now (a
+    # spell starts when a generation ends), whose trim every sample then waits for.
+    trims = {}
+    for srv in servers:
+        trims[srv.name] = srv.sample()["heap_trims"]
+        _raw(srv, "POST", "/completion", {"prompt": "quiet", "n_predict": 1,
+                                          "temperature": 0})
     time.sleep(settle_s)
     out = {}
     for srv in servers:
@@ -615,8 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         baseline = quiet(servers, clients)
         print("baseline (quiet, after warm-up):", json.dumps(_brief(baseline)), flush=True)
         go.set()
-        half = (total - warmup) / 2
-        sample_until(t0 + warmup + half, "run")
+        half = (total - warmup) / 2      # each half timed from its own start: a quiet
+        sample_until(time.monotonic() + half, "run")     # sample can take a while
         go.clear()
         mid = quiet(servers, clients)
         print("mid-run (quiet):", json.dumps(_brief(mid)), flush=True)

@@ -85,8 +85,35 @@ RUNS: dict[str, dict[str, Any]] = {
     "next-use": {"moe-stream": True, "cache-mb": "auto", "cache-policy": "next-use"},
     "auto+prefetch": {"moe-stream": True, "cache-mb": "auto", "prefetch": 1},
     "auto+prefetch+overlap": {"moe-stream": True, "cache-mb": "auto", "overlap": True},
+    # the same, reading the model and permuting MXFP4 experts as they land where a packed
+    # experts file (--pack) is beside it: that file's A/B
+    "auto+prefetch+overlap-unpacked": {"moe-stream": True, "cache-mb": "auto",
+                                       "overlap": True, "packed-experts": False},
     "nocache": {"moe-stream": True, "cache-mb": 0},
 }
+
+
+def packed_bytes(model: Path) -> int:
+    from bmoe.engine.experts.layout import read_layout
+    return read_layout(model).expert_bytes
+
+
+def pack(model: Path) -> None:
+    """The model's packed experts file (`bmoe-server models pack-experts`), made once and
+    kept beside the model; its time printed."""
+    from bmoe.engine.experts import packed
+
+    out = packed.packed_path(model)
+    if out.exists():
+        print(f"packed experts file: {out.name} (kept from an earlier run)", flush=True)
+        return
+    drop_caches()
+    t0 = time.monotonic()
+    packed.write(model)
+    secs = time.monotonic() - t0
+    print(f"packed experts file: {out.name} written in {secs:.1f} s "
+          f"({packed_bytes(model) / MIB / secs:.0f} MiB/s of experts, "
+          f"{out.stat().st_blocks * 512 / MIB:.0f} MiB on disk)", flush=True)
 
 
 def floor_repack(model: Path) -> str:
@@ -367,6 +394,9 @@ def main(argv: list[str]) -> int:
                                       "auto+prefetch+overlap,nocache")
     p.add_argument("--run-timeout", type=float, default=400.0)
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
+    p.add_argument("--pack", action="store_true",
+                   help="write the model's packed experts file first (kept beside the "
+                        "model; auto+prefetch+overlap-unpacked reads the model without it)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     if args.worker:
@@ -380,6 +410,8 @@ def bench(args: argparse.Namespace) -> int:
     print("load average at start: {:.2f} {:.2f} {:.2f} (other work on the machine skews "
           "every figure)".format(*os.getloadavg()), flush=True)
     model = make_bench_model(args)
+    if args.pack:
+        pack(model)
     cap = None
     try:
         size = model.stat().st_size
@@ -400,7 +432,7 @@ def bench(args: argparse.Namespace) -> int:
             extra.update({"ubatch-size": args.ubatch_size, "batch-size": args.ubatch_size})
         for name in args.runs.split(","):
             values = dict(RUNS[name], **(extra if name != "mmap" else {}))
-            if name == "auto+prefetch+overlap":
+            if name.startswith("auto+prefetch+overlap"):
                 values.update(prefetch=args.depth, **{"spec-gate": args.spec_gate})
             run_args = args if name != "mmap" else argparse.Namespace(
                 **{**vars(args), "tokens": args.mmap_tokens})
@@ -419,6 +451,7 @@ def bench(args: argparse.Namespace) -> int:
             cap.remove()
         if not args.keep:
             model.unlink(missing_ok=True)
+            Path(str(model) + ".bmoe-packed").unlink(missing_ok=True)
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     print(f"total {time.monotonic() - t_start:.0f} s")
     return 0

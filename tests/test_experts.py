@@ -17,7 +17,9 @@ import ctypes
 import mmap
 import errno
 import os
+import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +34,7 @@ from hypothesis import strategies as hs
 
 from bmoe.engine.errors import EngineError, LoadError
 from bmoe.engine.experts import ExpertStreamer, evalcb, ggml, nopopulate, streamer_factory
+from bmoe.engine.experts import packed
 from bmoe.engine.experts import reader as reader_mod
 from bmoe.engine.experts import streamer as streamer_mod
 from bmoe.engine.experts.budget import MIB, resolve
@@ -39,6 +42,7 @@ from bmoe.engine.experts.cache import ExpertCache, NoCache
 from bmoe.engine.experts.layout import read_layout
 from bmoe.engine.experts.memory import AnonBuffer, physical_runs
 from bmoe.engine.experts.predict import Predictor, router_input
+from bmoe.engine.experts.repack import row_bytes
 from bmoe.engine.experts.streamer import take_spare
 from bmoe.modelmaker import make_model
 from bmoe.engine.session import Session
@@ -1786,6 +1790,175 @@ def test_repacked_experts_under_the_python_callback(models: dict[str, Path],
 
     got = streamed(models["moe-oss"], check, **REPACKED, **{"cache-mb": 2})
     assert got == resident_repacked(models, "moe-oss")
+
+
+# -- the packed experts file (packed.py) ------------------------------------------------
+
+
+def model_copy(src: Path, folder: Path) -> Path:
+    """The model in a folder of its own (a hard link where it can be: same bytes, same
+    mtime), so a packed file beside it is seen by this test only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dst = folder / src.name
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("values", [
+    {"cache-mb": 2},
+    {"cache-mb": 2, "prefetch": 0, "prefill-ahead": False},
+    {"cache-mb": 0},
+    {"load-all": True},
+], ids=["small-cache", "serial", "cache-off", "load-all"])
+def test_packed_experts_file_is_read_instead_of_repacking(
+        models: dict[str, Path], tmp_path: Path, values: dict[str, Any]) -> None:
+    """`bmoe-server models pack-experts`'s file: the MXFP4 experts already permuted, at
+    the model's own offsets, the rest holes. Streamed from it (the lanes permute
+    nothing), the greedy tokens and logits are the resident repacked engine's, byte for
+    byte; its bytes are pack_mxfp4's of the model's."""
+    model = model_copy(models["moe-oss"], tmp_path)
+    out = packed.write(model)
+    assert out == packed.packed_path(model) and out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    lay = read_layout(model)
+    native = reader_mod.native_lanes()
+    assert native is not None
+    with open(model, "rb") as f, open(out, "rb") as g:
+        for t in lay.experts:
+            f.seek(t.offset)
+            g.seek(t.offset)
+            want = np.frombuffer(f.read(t.nbytes), dtype=np.uint8).copy()
+            native.pack_mxfp4(want, row_bytes(t.ne0))
+            assert g.read(t.nbytes) == want.tobytes(), t.name
+    allowed = repack_allowed()
+
+    def check(st: ExpertStreamer) -> None:
+        assert st.reader is not None
+        if not allowed:
+            assert st.load_info["expert_repack"].startswith("off: ")
+            assert st.reader.path == str(model)
+            return
+        assert st.load_info["packed_experts"] == f"on: {out.name}"
+        assert st.load_info["expert_repack"].endswith(
+            "read repacked from the packed experts file")
+        assert st.reader.path == str(out) and not st._pack_rows
+        assert len(st._pack_kernels) == 12
+        if isinstance(st.queue, reader_mod.NativeLaneQueue):
+            assert st.queue.lanes.packs == 0 and st.queue.lanes.exact
+        assert st.file_problem() is None
+
+    got = streamed(model, check, **REPACKED, **values)
+    assert got == resident_repacked(models, "moe-oss")
+
+
+def test_packed_experts_file_is_what_the_experts_are_read_from(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """The packed file's bytes are the ones run: with its experts' bytes spoiled (the
+    trailer kept, so it still matches) the tokens are no longer the resident engine's."""
+    if not repack_allowed():
+        pytest.skip("this CPU runs no repacked MXFP4 kernels: the packed file is not used")
+    model = model_copy(models["moe-oss"], tmp_path)
+    out = packed.write(model)
+    with open(out, "r+b") as g:
+        for t in read_layout(model).experts:
+            g.seek(t.offset)
+            spoiled = bytes(reversed(g.read(t.nbytes)))
+            g.seek(t.offset)
+            g.write(spoiled)
+    got = streamed(model, None, **REPACKED, **{"cache-mb": 2})
+    assert got != resident_repacked(models, "moe-oss")
+
+
+def test_packed_experts_file_passed_over_where_it_does_not_match(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """Turned off, made from another version of the model, or not a packed file at all:
+    the streamer reads the model and repacks as before, and says why."""
+    if not repack_allowed():
+        pytest.skip("this CPU runs no repacked MXFP4 kernels: the packed file is not asked")
+    model = model_copy(models["moe-oss"], tmp_path)
+    out = packed.write(model)
+
+    def note(**values: Any) -> str:
+        s = open_session(model, **STREAM, **REPACKED, **{"cache-mb": 2}, **values)
+        try:
+            st = s.streamer
+            assert isinstance(st, ExpertStreamer) and st.reader is not None
+            info = st.load_info["packed_experts"]
+            if not info.startswith("on"):
+                assert st.reader.path == str(model) and st._pack_rows
+            return str(info)
+        finally:
+            s.close()
+
+    assert note() == f"on: {out.name}"
+    assert note(**{"packed-experts": False}) == "off"
+    st = os.stat(model)
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert "made from another version of the model file" in note()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert note() == f"on: {out.name}"
+    with open(out, "r+b") as g:
+        g.seek(-4, os.SEEK_END)
+        g.write(b"XXXX")
+    assert "is not a packed experts file" in note()
+    out.unlink()
+    assert note() == "none"
+
+
+def test_packed_experts_file_replaced_under_a_loaded_model(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """Once the experts are read from the packed file, its being replaced is a file
+    problem the turn reports, as the model file's own."""
+    if not repack_allowed():
+        pytest.skip("this CPU runs no repacked MXFP4 kernels: the packed file is not used")
+    model = model_copy(models["moe-oss"], tmp_path)
+    out = packed.write(model)
+    s = open_session(model, **STREAM, **REPACKED, **{"cache-mb": 2})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer)
+        assert st.file_problem() is None
+        shutil.copy2(out, tmp_path / "other")
+        os.replace(tmp_path / "other", out)
+        why = st.file_problem()
+        assert why is not None and "packed experts file" in why and "replaced" in why
+    finally:
+        s.close()
+
+
+def test_pack_experts_command(models: dict[str, Path], tmp_path: Path) -> None:
+    """`bmoe-server models pack-experts`: a path or a name in the models folder; a model
+    without MXFP4 experts refused with a sentence and exit code 1, nothing written."""
+    import subprocess
+
+    model = model_copy(models["moe-oss"], tmp_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "bmoe.server", "models", "--models-dir", str(tmp_path),
+           "pack-experts"]
+    r = subprocess.run([*cmd, model.name], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=tempfile.gettempdir())
+    assert r.returncode == 0, r.stderr
+    out = packed.packed_path(model)
+    assert out.exists() and f"wrote {out}" in r.stdout and "100%" in r.stderr
+    dense = model_copy(models["moe"], tmp_path / "dense")
+    r = subprocess.run([*cmd, str(dense)], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=tempfile.gettempdir())
+    assert r.returncode == 1 and "no MXFP4 expert tensors" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and list(dense.parent.iterdir()) == [dense]
+    r = subprocess.run([*cmd, "no-such-model.gguf"], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=tempfile.gettempdir())
+    assert r.returncode == 1 and "neither a file nor a model" in r.stderr, r.stderr
+
+
+def test_pack_experts_refuses_a_model_without_mxfp4_experts(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    model = model_copy(models["moe"], tmp_path)
+    with pytest.raises(packed.PackError, match="no MXFP4 expert tensors"):
+        packed.write(model)
+    assert list(tmp_path.iterdir()) == [model]
 
 
 @pytest.mark.parametrize(("name", "values", "why"), [

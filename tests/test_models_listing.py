@@ -153,10 +153,15 @@ def test_delete_local_takes_a_listed_name_and_deletes_the_set_whole(
         status, _, body = s.request("DELETE", "/api/models/local/file-link.gguf")
         assert status == 200 and (tree["outside"] / "linked-away.gguf").exists()
         assert not (tree["models"] / "file-link.gguf").exists()
+        # its packed experts file is no model of its own, and goes with it
+        packed = alpha.with_name(alpha.name + ".bmoe-packed")
+        packed.write_bytes(b"packed")
+        names = [r["name"] for r in s.request("GET", "/api/models")[2]["local"]]
+        assert "alpha-moe.gguf" in names and not [n for n in names if "packed" in n]
         # deleting the saved model forgets the setting
         ev = Events(s)
         status, _, body = s.request("DELETE", "/api/models/local/alpha-moe.gguf")
-        assert status == 200 and not alpha.exists(), body
+        assert status == 200 and not alpha.exists() and not packed.exists(), body
         cfg = ev.wait("config", lambda d: True)
         assert not cfg["values"].get("model")
         ev.close()

@@ -25,7 +25,7 @@ EXPECTED_ROWS = [
     "chat-template-kwargs", "image-max-tokens",
     "n-predict", "think", "ctx-size", "threads", "threads-batch", "trial-threads",
     "trial-overlap", "temp", "top-k", "top-p", "seed",
-    "moe-stream", "io-threads", "o-direct", "huge-pages",
+    "moe-stream", "io-threads", "o-direct", "huge-pages", "packed-experts",
     "prefetch", "spec-gate", "overlap", "prefill-ahead", "cache-mb", "cache-policy",
     "cache-fill", "cache-floor-mb", "cache-ceil-mb", "dense-weights", "repack", "rpc",
     "rpc-layers", "batch-size", "ubatch-size", "flash-attn", "cache-type-k", "cache-type-v",

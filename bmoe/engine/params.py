@@ -327,6 +327,14 @@ def _rows() -> tuple[Param, ...]:
              "quarter of its tokens take 0.5-1.6 s instead of 0.09 with it on. No effect "
              "where the kernel has transparent huge pages off.",
              False),
+        _row("packed-experts", "Packed experts file", "bool", "streaming", "advanced",
+             "Reads MXFP4 experts from the model's packed experts file, where it has one.",
+             "`bmoe-server models pack-experts MODEL` writes a copy of the model's MXFP4 "
+             "experts (gpt-oss) beside it, already in the layout llama.cpp's repacked "
+             "kernels run, so a read lands ready instead of being permuted on the cores "
+             "that compute. It costs the experts' bytes again on disk. Used only where it "
+             "matches the model file and this CPU's kernels; the load info says why not.",
+             True),
         _row("prefetch", "Read-ahead", "int", "streaming", "advanced",
              "Reads the experts of the next layers before their routers pick them.",
              "After each layer the engine guesses the next N layers' experts (their "

@@ -22,6 +22,20 @@ from typing import Any
 from .pairing import Names, pair
 from .probe import ModelProbe, is_gguf_name, probe_files, shard_name, split_parts
 
+# A model's packed experts file beside it (``MODEL.gguf.bmoe-packed``, written by
+# ``bmoe-server models pack-experts``): not a model of its own; deleted with the model.
+PACKED_SUFFIX = ".bmoe-packed"
+
+
+def companions(files: list[Path]) -> list[Path]:
+    """The files kept beside a model's own that go with it (its packed experts file)."""
+    out = []
+    for f in files:
+        c = f.with_name(f.name + PACKED_SUFFIX)
+        if c.is_file() and not c.is_symlink():
+            out.append(c)
+    return out
+
 
 class ProbeCache:
     """Probes by file version; thread-safe (the listing runs in a worker thread)."""

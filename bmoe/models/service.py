@@ -29,7 +29,7 @@ from .curl import CurlConfig, CurlError, NoCurl, check_token, head_size
 from .download import Downloads, disk_free, on_disk, part_of, size_of
 from .errors import ModelsError
 from .hf import DEFAULT_ENDPOINT, HfSite, RepoModel, parse_repo_text, valid_repo, valid_revision
-from .listing import ProbeCache, group, scan, scan_dir
+from .listing import ProbeCache, companions, group, scan, scan_dir
 from .probe import shard_name, split_parts
 from .verdict import machine_now, verdict
 
@@ -233,7 +233,8 @@ class ModelsService:
         if self.downloads.writing(model.files):
             raise ModelsError(409, "in_use", f"A running download is writing {model.name}: "
                               "cancel it first.")
-        freed = await trio.to_thread.run_sync(_delete_set, model.files)
+        files = list(model.files) + companions(list(model.files))
+        freed = await trio.to_thread.run_sync(_delete_set, files)
         if model.folder:
             try:
                 (folder / model.folder).rmdir()

@@ -1,4 +1,5 @@
-"""`bmoe-server models list | pull REPO[:QUANT] | rm NAME | inspect REPO[:QUANT]`.
+"""`bmoe-server models list | pull REPO[:QUANT] | rm NAME | inspect REPO[:QUANT] |
+pack-experts MODEL`.
 
 The Models screen's operations in a terminal. When a bmoe-server answers on the
 configured `--host`/`--port` (`GET /api/info`), every operation goes through its API
@@ -9,6 +10,10 @@ the same models service a server runs). `--local` skips the question.
 
 Exit codes: 0 done, 1 refused (the sentence on stderr), 130 interrupted (a download's
 `.part` kept, and the server's download cancelled, for the next `pull`).
+
+`pack-experts` works on the file alone, here: it writes the model's packed experts file
+beside it (`bmoe.engine.experts.packed`), which a server loading the model reads its
+MXFP4 experts from.
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-hft", "--hf-token", default=None, metavar="TOKEN",
                    help="the Hugging Face token a gated repository needs (default: HF_TOKEN)")
     models_routes.add_flags(p)
-    verbs = p.add_subparsers(dest="verb", required=True, metavar="list|pull|rm|inspect")
+    verbs = p.add_subparsers(dest="verb", required=True,
+                             metavar="list|pull|rm|inspect|pack-experts")
     verbs.add_parser("list", help="the models in the folders, and downloads under way")
     pull = verbs.add_parser("pull", help="fetch a repository's model into the models folder")
     pull.add_argument("ref", metavar="REPO[:QUANT]")
@@ -84,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "fetching only its header")
     inspect.add_argument("ref", metavar="REPO[:QUANT]")
     inspect.add_argument("-hff", "--hf-file", default="")
+    pack = verbs.add_parser(
+        "pack-experts", help="write a copy of a model's MXFP4 experts (gpt-oss) beside it "
+        "in the layout llama.cpp's repacked kernels run, which streaming reads instead "
+        "of permuting each expert as it lands (costs the experts' bytes again on disk)")
+    pack.add_argument("model", metavar="MODEL", help="the model file, or its name in the "
+                      "models folder")
     return p
 
 
@@ -91,6 +103,8 @@ def main(argv: list[str]) -> int:
     import os
     args = build_parser().parse_args(argv)
     check_flags(args)
+    if args.verb == "pack-experts":
+        return pack_experts(args)
     token = str(args.hf_token or os.environ.get("HF_TOKEN", "")).strip()
     remote = None if args.local else running_server(args)
     if remote is not None:
@@ -236,6 +250,45 @@ async def inspect(args: argparse.Namespace, puller: Puller) -> None:
     v = found["verdict"]
     puller.say(f"  verdict: {v['fit']} ({v['mode']}); {mb(found['bytes'])} in "
                f"{found['files']} file{'s' if found['files'] != 1 else ''}.")
+
+
+def pack_experts(args: argparse.Namespace) -> int:
+    """Write the model's packed experts file; 0 done, 1 refused, 130 interrupted (no
+    file left behind)."""
+    from ..engine.experts import packed
+
+    path = Path(args.model).expanduser()
+    if not path.is_file():
+        in_folder = (args.models_dir or data_dir_of(args) / "models").expanduser() / args.model
+        if in_folder.is_file():
+            path = in_folder
+    if not path.is_file():
+        print(f"bmoe-server models pack-experts: {args.model} is neither a file nor a model "
+              "in the models folder", file=sys.stderr)
+        return 1
+    shown = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = done * 100 // max(1, total)
+        if pct != shown[0]:
+            shown[0] = pct
+            print(f"\rpacking experts: {pct}% of {mb(total)}", end="", file=sys.stderr,
+                  flush=True)
+
+    try:
+        out = packed.write(path, progress)
+    except KeyboardInterrupt:
+        print("\npack-experts: interrupted; nothing was written", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    except packed.PackError as e:
+        print(f"\nbmoe-server models pack-experts: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"\nbmoe-server models pack-experts: could not write beside {path.name} "
+              f"({e.strerror})", file=sys.stderr)
+        return 1
+    print(f"\nwrote {out} ({mb(out.stat().st_blocks * 512)} on disk)")
+    return 0
 
 
 VERBS = {"list": list_models, "pull": pull, "rm": remove, "inspect": inspect}

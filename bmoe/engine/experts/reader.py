@@ -153,6 +153,24 @@ class ExpertReader:
         self.broken: ReadError | None = None     # a read timed out: nothing reads any more
         self._solo: ThreadPoolExecutor | None = None   # one lane: the read's own thread
 
+    def reopen(self, path: str) -> None:
+        """Read every slice from `path` instead, at the same offsets (the model's packed
+        experts file, packed.py): before the queue starts and before any read. Direct
+        reads stay as they were chosen (the new file's refusal turns them off)."""
+        if self.queue is not None:
+            raise RuntimeError("the reader's file can change only before its lanes start")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        old = (self.buffered_fd, self.direct_fd)
+        wanted_direct = self._use_direct
+        self.path, self.buffered_fd, self.direct_fd = path, fd, -1
+        self._use_direct = False
+        if wanted_direct:
+            self._open_direct()
+        self.file_size = os.fstat(fd).st_size
+        for old_fd in old:
+            if old_fd >= 0:
+                os.close(old_fd)
+
     def start_queue(self) -> LaneQueue | NativeLaneQueue:
         """Switch to queued lanes (read-ahead): `lanes` threads on one priority queue, in C
         where it is built (a huge-page supply's fresh pages are then given by the caller

@@ -73,7 +73,7 @@ import llama_cpp as lc
 import numpy as np
 
 from ...models.probe import read_file_header
-from . import evalcb, ggml, nopopulate
+from . import evalcb, ggml, nopopulate, packed
 from .allocs import ContextAllocs, LogTap
 from .budget import (
     MIB,
@@ -164,6 +164,10 @@ class ExpertStreamer:
         self._repack_choice: Callable[[], tuple[bool, str]] | None = None
         self._pack_rows: dict[str, int] = {}
         self._pack_kernels: dict[bytes, int] = {}
+        # the model's packed experts file (packed.py): used where one matches, unless
+        # `packed-experts` is off; its (inode, size, mtime) once it is read from
+        self._packed_allowed = bool(self.values.get("packed-experts", True))
+        self._packed_id: tuple[int, int, int] | None = None
         self._dense_runs: list[tuple[int, int]] = []
         self._dense_frac = -1.0
         self._dense_at = 0.0
@@ -492,21 +496,32 @@ class ExpertStreamer:
         if why:
             self.load_info["expert_repack"] = f"off: {why}"
             return
+        # the model's packed experts file, where one matches: read already repacked
+        found, note = (packed.find(lay, {t.name for t in cands}) if self._packed_allowed
+                       else (None, "off"))
+        if found is not None:
+            self.reader.reopen(str(found.path))
+            self._packed_id = found.file_id
+        self.load_info["packed_experts"] = (f"on: {found.path.name}" if found is not None
+                                            else note)
         if queued:
             self.queue = self.reader.start_queue()
             assert isinstance(self.queue, NativeLaneQueue)
             if self._spec.size == 0:      # what the queued path keeps of guesses in flight
                 self._spec = np.zeros((lay.n_layer, lay.n_expert), dtype=bool)
-            self.queue.lanes.set_packs([
-                (buf.base, buf.base + buf.size, buf.base + buf.phase, row_bytes(t.ne0))
-                for t in cands for buf in (self._buffers[t.name],)])
+            if found is None:
+                self.queue.lanes.set_packs([
+                    (buf.base, buf.base + buf.size, buf.base + buf.phase, row_bytes(t.ne0))
+                    for t in cands for buf in (self._buffers[t.name],)])
             self.queue.lanes.exact = True
-        self._pack_rows = {t.name: row_bytes(t.ne0) for t in cands}
+        self._pack_rows = {} if found is not None else {t.name: row_bytes(t.ne0)
+                                                        for t in cands}
         self._pack_kernels = {t.name.encode(): kernels[t.name] for t in cands}
         self.load_info["expert_repack"] = (
             f"on: {len(cands)} of {len(lay.experts)} expert tensors (MXFP4) in llama.cpp's "
             "repacked 8x8 layout, run by its CPU_REPACK kernels"
-            + (", repacked by the read lanes" if queued else ""))
+            + (", read repacked from the packed experts file" if found is not None
+               else ", repacked by the read lanes" if queued else ""))
 
     def _pack_slices(self, t: ExpertTensor, e0: int, e1: int) -> None:
         """Experts e0..e1-1 of `t`, read in the file's layout, repacked in place (a tensor
@@ -629,7 +644,7 @@ class ExpertStreamer:
                 self.native.slots(None)
             self._slots_in_c = False
             if isinstance(self.queue, NativeLaneQueue):
-                self.queue.lanes.exact = bool(self._pack_rows)   # repacked: still exact
+                self.queue.lanes.exact = bool(self._pack_kernels)   # repacked: still exact
             self.slots_note = f"off: {e}"
 
     def _probs_of(self, node: int) -> tuple[int, int]:
@@ -756,32 +771,23 @@ class ExpertStreamer:
 
     def file_problem(self) -> str | None:
         """Why the model file cannot be streamed from any more, if it cannot: a read
-        timed out (the reader is broken), or the file at the model's path is not the one
-        loaded (replaced, cut short, or written over since). Checked before each turn."""
+        timed out (the reader is broken), or the file at the model's path (or its packed
+        experts file, where the experts are read from it) is not the one loaded
+        (replaced, cut short, or written over since). Checked before each turn."""
         reader = self.reader
         if reader is None:
             return None
         if reader.broken is not None:
             return reader.broken.message
-        try:
-            now = os.stat(reader.path)
-        except OSError as e:
-            return (f"The model file {reader.path} cannot be read any more "
-                    f"({e.strerror}). Put it back and load the model again.")
-        if self._file_id is None:
-            return None
-        ino, size, mtime = self._file_id
-        if (now.st_ino, now.st_size, now.st_mtime_ns) == (ino, size, mtime):
-            return None
-        if now.st_ino != ino:
-            what = "was replaced by another file"
-        elif now.st_size != size:
-            what = f"changed size ({size} bytes when loaded, {now.st_size} now)"
-        else:
-            what = "was written to"
-        return (f"The model file {reader.path} {what} since the model was loaded, so its "
-                "experts cannot be read from it any more. Load the model again once the "
-                "file is whole.")
+        if self._file_id is not None:
+            why = _changed(str(self.path), self._file_id)
+            if why:
+                return why
+        if self._packed_id is not None:
+            why = _changed(reader.path, self._packed_id, "packed experts file")
+            if why:
+                return why
+        return None
 
     def _is_local(self, topk_name: bytes) -> bool:
         """Whether the layer of an `ffn_moe_topk-<l>` node is held here (not by a helper)."""
@@ -1538,3 +1544,25 @@ def _needs_info(b: Budget) -> dict[str, Any]:
 
 def _pct(a: int, b: int) -> float:
     return round(100.0 * a / b, 2) if b else -1.0
+
+
+def _changed(path: str, file_id: tuple[int, int, int], kind: str = "model file") -> str | None:
+    """Why the file at `path` is no longer the one with `file_id` (inode, size, mtime),
+    or None while it is."""
+    try:
+        now = os.stat(path)
+    except OSError as e:
+        return (f"The {kind} {path} cannot be read any more "
+                f"({e.strerror}). Put it back and load the model again.")
+    ino, size, mtime = file_id
+    if (now.st_ino, now.st_size, now.st_mtime_ns) == (ino, size, mtime):
+        return None
+    if now.st_ino != ino:
+        what = "was replaced by another file"
+    elif now.st_size != size:
+        what = f"changed size ({size} bytes when loaded, {now.st_size} now)"
+    else:
+        what = "was written to"
+    return (f"The {kind} {path} {what} since the model was loaded, so its "
+            "experts cannot be read from it any more. Load the model again once the "
+            "file is whole.")
