@@ -20,9 +20,12 @@ live event streams per server, below the spec's limits (16 waiting turns, 8 stre
 
 Growth: after the warm-up (a fifth of the run, at least 30 s) the clients pause, the
 server goes quiet and a *baseline* is sampled; halfway through the rest the clients pause
-again for a *mid-run* sample, and at the end they stop for the *final* one. Each quiet
-sample waits for the server's heap trim of that quiet spell (`bmoe:process_heap_trims_total`),
-so all three are taken in the same state. RSS fails when it grew more than 2 % in each
+again for a *mid-run* sample, and at the end they stop for the *final* one (each half
+timed from its own start, so a slow quiet sample does not eat the run). Each quiet sample
+first generates one token on every server, so that each has a quiet spell starting then
+(a slow host's clients end their last actions far apart, and a server quiet early would
+have trimmed before the others), and waits for that spell's heap trim
+(`bmoe:process_heap_trims_total`), so all three are taken in the same state. RSS fails when it grew more than 2 % in each
 half (a leak grows with the work) or more than 10 % in all (a high-water mark, such as a
 burst's heaps, steps once); descriptors, trio tasks, threads and subscribers must be no
 more at the end than at the baseline. RSS, descriptors and threads are read from
