@@ -20,6 +20,8 @@ ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
              what the plan's larger batch is worth without streaming
   resident-2048  the same with 2,048 (the batch the plan picks on the gpt-oss-120b slice)
   plan-lanes2    the plan with two read lanes instead of four
+  plan-nokeep    the plan with prompt batches keeping no layers (`BMOE_PROMPT_KEEP=0`):
+             the A/B of kept layers (`--agent-mode plan,plan-nokeep`)
 
 The cap is `--cap-frac` of the file's size (default 0.4), a fresh memory cgroup per run
 (v1 or v2, `bmoe.machine.cgroup.MemoryCap`). Per run: prefill tokens per second (the
@@ -96,7 +98,11 @@ MODES = {
     # the plan reading the model and permuting MXFP4 experts as they land, where a packed
     # experts file (--pack) would otherwise be read: the A/B of that file
     "plan-unpacked": (["--no-packed-experts"], True),
+    # the plan with prompt batches keeping no layers (BMOE_PROMPT_KEEP=0): every pass of
+    # a prompt's batches, and the next prompt, read every layer again; the A/B of keeping
+    "plan-nokeep": ([], True),
 }
+MODE_ENV = {"plan-nokeep": {"BMOE_PROMPT_KEEP": "0"}}
 COUNTERS = {"read_bytes": "bmoe:expert_read_bytes_total",
             "ahead_bytes": "bmoe:expert_read_ahead_bytes_total",
             "wait_s": "bmoe:expert_read_wait_seconds_total"}
@@ -122,12 +128,12 @@ class Server:
     """One bmoe-server on the model, inside `cap` (None: no cap)."""
 
     def __init__(self, model: Path, flags: list[str], cap: MemoryCap | None,
-                 args: argparse.Namespace) -> None:
+                 args: argparse.Namespace, env: dict[str, str] | None = None) -> None:
         self.data = Path(tempfile.mkdtemp(prefix="bmoe-prefill-data-"))
         cmd = [sys.executable, "-m", "bmoe.server", "--port", "0", "--data-dir",
                str(self.data), "--threads", str(args.threads), "--ctx-size",
                str(args.ctx_size), "--metrics", "--model", str(model), *flags]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", BMOE_LLAMA_LOG="0")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", BMOE_LLAMA_LOG="0", **(env or {}))
         popen = cap.popen if cap is not None else subprocess.Popen
         self.proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                           env=env, cwd=tempfile.gettempdir())
@@ -145,6 +151,7 @@ class Server:
         self.n_ubatch = int((info.get("context") or {}).get("n_ubatch") or 0)
         notes = info.get("streaming_notes") or {}
         self.ahead = str(notes.get("prefill_ahead", "")) if info.get("streaming") else ""
+        self.keeps = str(notes.get("prompt_keeps", "")) if info.get("streaming") else ""
 
     def prompt(self, ids: list[int], timeout: float, cache: bool = False) -> dict[str, Any]:
         before = counters(self.url)
@@ -183,13 +190,14 @@ def run_mode(mode: str, model: Path, ids: list[int], args: argparse.Namespace) -
         if not capped:
             warm_page_cache(model)
         try:
-            server = Server(model, flags, cap, args)
+            server = Server(model, flags, cap, args, MODE_ENV.get(mode))
         except RuntimeError as e:
             res: dict[str, Any] = {"outcome": "failed", "why": str(e)}
         else:
             try:
                 res = server.prompt(ids, args.run_timeout)
-                res.update(n_ubatch=server.n_ubatch, prefill_ahead=server.ahead)
+                res.update(n_ubatch=server.n_ubatch, prefill_ahead=server.ahead,
+                           prompt_keeps=server.keeps)
             finally:
                 server.close()
         if cap is not None and cap.oom_kills():
@@ -201,20 +209,20 @@ def run_mode(mode: str, model: Path, ids: list[int], args: argparse.Namespace) -
             cap.remove()
 
 
-def two_requests(model: Path, flags: list[str], cap: MemoryCap | None, ids: list[int],
+def two_requests(model: Path, mode: str, cap: MemoryCap | None, ids: list[int],
                  new: list[int], args: argparse.Namespace
-                 ) -> tuple[dict[str, Any], dict[str, Any], str]:
+                 ) -> tuple[dict[str, Any], dict[str, Any], str, str]:
     """The prefix, then the prefix plus the new tokens, on one fresh server."""
     drop_caches()
     if cap is None:
         warm_page_cache(model)
-    server = Server(model, flags, cap, args)
+    server = Server(model, MODES[mode][0], cap, args, MODE_ENV.get(mode))
     try:
         first = server.prompt(ids, args.run_timeout, cache=True)
         second = server.prompt(ids + new, args.run_timeout, cache=True)
     finally:
         server.close()
-    return first, second, server.ahead
+    return first, second, server.ahead, server.keeps
 
 
 def agent_second_request(model: Path, ids: list[int], new: list[int],
@@ -227,8 +235,7 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
     One resident baseline, then every mode of `--agent-mode` in turn."""
     limit = int(model.stat().st_size * args.cap_frac)
     try:
-        base_first, base_second, _ = two_requests(model, MODES["resident"][0], None, ids,
-                                                  new, args)
+        base_first, base_second, _, _ = two_requests(model, "resident", None, ids, new, args)
     except RuntimeError as e:
         return [{"outcome": "failed", "why": f"resident: {e}"}]
     if any(r["outcome"] != "answered" for r in (base_first, base_second)):
@@ -238,8 +245,7 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
         cap = MemoryCap(f"bmoe-prefill-agent-{os.getpid()}", limit)
         try:
             try:
-                first, second, ahead = two_requests(model, MODES[mode][0], cap, ids,
-                                                    new, args)
+                first, second, ahead, keeps = two_requests(model, mode, cap, ids, new, args)
             except RuntimeError as e:
                 out.append({"outcome": "failed", "server": mode, "why": str(e)})
                 continue
@@ -252,8 +258,10 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
         avg_s = len(new) / (first["tok_s"] or 1.0)
         out.append({
             "outcome": "answered", "server": mode, "prefix": len(ids),
-            "new": len(new), "prefill_ahead": ahead,
+            "new": len(new), "prefill_ahead": ahead, "prompt_keeps": keeps,
             "first_s": first["wall_s"], "second_s": second["wall_s"],
+            "first_read_mib": first["read_bytes"] / MIB,
+            "first_wait_s": round(first["wait_s"], 3),
             "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
             "second_ahead_mib": second["ahead_bytes"] / MIB,
             "second_wait_s": round(second["wait_s"], 3),
@@ -278,8 +286,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-agent", action="store_true")
     p.add_argument("--agent-mode", default="plan",
                    help="the streamed servers of the agent's requests, comma-separated "
-                        "(stream, plan, plan-unpacked, plan-lanes2), against one resident "
-                        "baseline")
+                        "(stream, plan, plan-unpacked, plan-nokeep, plan-lanes2), against "
+                        "one resident baseline")
     p.add_argument("--pack", action="store_true",
                    help="write the model's packed experts file first (kept beside the "
                         "model; plan-unpacked reads the model without it)")
@@ -336,7 +344,10 @@ def main(argv: list[str]) -> int:
                 results.append({"mode": "agent", **a})
                 if a["outcome"] == "answered":
                     print(f"agent ({a['server']}): {a['prefix']}-token prefix in "
-                          f"{a['first_s']:.1f} s (resident {a['resident_first_s']:.1f} s); "
+                          f"{a['first_s']:.1f} s (resident {a['resident_first_s']:.1f} s, "
+                          f"{a['first_read_mib']:.0f} MiB read, layers waited "
+                          f"{a['first_wait_s']:.2f} s; kept layers: "
+                          f"{a['prompt_keeps'] or 'none'}); "
                           f"the same plus {a['new']} new tokens answered its first token in "
                           f"{a['second_s']:.2f} s (context {a['second_cached']} tokens, "
                           f"{a['second_read_mib']:.0f} MiB read, {a['second_ahead_mib']:.0f} "

@@ -25,10 +25,10 @@ timed from its own start, so a slow quiet sample does not eat the run). Each qui
 first generates one token on every server, so that each has a quiet spell starting then
 (a slow host's clients end their last actions far apart, and a server quiet early would
 have trimmed before the others), and waits for that spell's heap trim
-(`bmoe:process_heap_trims_total`), so all three are taken in the same state. RSS fails when it grew more than 2 % in each
-half (a leak grows with the work) or more than 10 % in all (a high-water mark, such as a
-burst's heaps, steps once); descriptors, trio tasks, threads and subscribers must be no
-more at the end than at the baseline. RSS, descriptors and threads are read from
+(`bmoe:process_heap_trims_total`), so all three are taken in the same state. RSS fails
+when it grew more than 2 % in each half (a leak grows with the work) or more than 10 % in
+all (a high-water mark, such as a burst's heaps, steps once); descriptors, trio tasks,
+threads and subscribers must be no more at the end than at the baseline. RSS, descriptors and threads are read from
 /proc/<pid> (the kernel's figures); trio tasks, subscribers and trims from the server's
 `/metrics?process=1` (`bmoe:process_*`, counted at the scrape). A failure names the
 mappings (smaps) that grew most.

@@ -452,3 +452,71 @@ def test_own_pin_in_c_is_numpys(data: st.DataObject) -> None:
     with pytest.raises(ValueError):
         pick.own_pin(c.resident, c.pinned, c._saved_pin, layer, ids + n_expert, share,
                      n_expert)
+
+
+def prompt_loop(keep: np.ndarray | None, passes: int, policy: str = "reuse"
+                ) -> tuple[ExpertCache, list[int]]:
+    """A prompt's batches on 6 layers of 8 experts with room for 4 layers: every layer
+    asks for all of its experts, layer after layer, `passes` times, the next layer read
+    ahead (`admit_spec`) before each layer is asked; the misses per pass."""
+    n_layer, n_expert = 6, 8
+    c = ExpertCache(np.full(n_layer, 2), n_expert=n_expert, budget=2 * n_expert * 4,
+                    policy=policy)
+    every = np.arange(n_expert, dtype=np.int64)
+    misses = []
+    for _ in range(passes):
+        m = 0
+        for layer in range(n_layer):
+            nxt = (layer + 1) % n_layer
+            adm = (c.admit_keeping(layer, every, keep) if keep is not None
+                   else c.admit(layer, every))
+            m += len(adm.misses)
+            assert c.resident[layer].all() and c.resident_bytes <= c.budget
+            spec = (c.admit_keeping(nxt, every, keep, spec=True) if keep is not None
+                    else c.admit_spec(nxt, every))
+            m += len(spec.misses)
+            assert not any(vl == layer for vl, _ in spec.victims)   # the layer computing
+            assert c.resident_bytes <= c.budget
+        misses.append(m)
+    return c, misses
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_prompt_loop_keeps_its_first_layers(policy: str) -> None:
+    """A prompt's batches loop over the layers. With the first two layers kept (room for
+    four layers, two in use) every pass after the first reads only the other four
+    layers, whatever the policy, and the kept ones are cached when the next prompt
+    starts. Without, LRU and LFU read every expert at every pass (what they keep is what
+    the loop asks for last) and `reuse` does so at the second pass, before it has
+    learned the loop."""
+    keep = np.zeros(6, dtype=bool)
+    keep[:2] = True
+    c, kept = prompt_loop(keep, 4, policy)
+    assert kept == [48, 32, 32, 32]            # 6 (then 4) layers x 8 experts
+    assert c.resident[:2].all()
+    _, plain = prompt_loop(None, 4, policy)
+    if policy in ("lru", "lfu"):
+        assert plain[1:] == [48, 48, 48]
+    if policy == "reuse":
+        assert plain[1] == 48
+
+
+def test_keeping_gives_way_when_the_rest_cannot_make_room() -> None:
+    """Where the layers not kept cannot free what the misses need, the admission is the
+    plain one (the budget holds; the kept layers give way) rather than an overshoot."""
+    c = ExpertCache(np.full(3, 1), n_expert=4, budget=8, policy="lru")
+    every = np.arange(4, dtype=np.int64)
+    c.admit(0, every)
+    c.admit(1, every)
+    keep = np.array([True, False, False])
+    c.pinned[1] = True                     # layer 1's reads still in flight
+    adm = c.admit_keeping(2, every, keep)
+    assert len(adm.misses) == 4 and sorted(adm.victims) == [(0, e) for e in range(4)]
+    assert c.resident_bytes <= c.budget and not c.pinned[0].any()
+    # with room elsewhere the kept layer is not touched, and the pins are as they were
+    c2 = ExpertCache(np.full(3, 1), n_expert=4, budget=8, policy="lru")
+    c2.admit(0, every)
+    c2.admit(1, every)
+    adm = c2.admit_keeping(2, every, keep)
+    assert sorted(adm.victims) == [(1, e) for e in range(4)]
+    assert c2.resident[0].all() and not c2.pinned.any()

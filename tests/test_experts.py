@@ -274,8 +274,9 @@ def test_prefill_read_ahead_follows_the_ubatches(models: dict[str, Path], name: 
     """A prompt in two chunks of 512 tokens, each two ubatches of 256: every ubatch's
     first layer is read ahead before its routing (from the chunk's start, and while the
     ubatch before computes its last layers), and nothing is read ahead for the rows the
-    model's last layer skips (it runs only the prompt's last row); the tokens and the last
-    logits stay the resident engine's, byte for byte."""
+    model's last layer skips where llama.cpp skips them (it runs only the prompt's last
+    row; gpt-oss's graph runs them all); the tokens and the last logits stay the resident
+    engine's, byte for byte."""
     long = [{"role": "user", "content": "Tell me about the weather in every city. " * 45}]
     sizes = {"batch-size": 512, "ubatch-size": 256, "ctx-size": 2048}
     ref = Session(models[name], dict(BASE, **sizes))
@@ -306,16 +307,101 @@ def test_prefill_read_ahead_follows_the_ubatches(models: dict[str, Path], name: 
         rest = n - 768
         # chunk 1: at its start, then from ubatch 1 (for 2) and ubatch 2 (for 3);
         # chunk 2: at its start (ubatch 3, queued already), then from ubatch 3 (for 4)
-        assert firsts == [256, 256, 256, 256, rest] and rest * MOE["n_expert_used"] >= 16
+        # (gpt-oss: ubatch 1 asks twice, before and after its last layer showed that it
+        # runs every row; the second finds the reads queued)
+        assert firsts == ([256, 256, 256, 256, rest] if name == "moe" else
+                          [256, 256, 256, 256, 256, rest])
+        assert rest * MOE["n_expert_used"] >= 16
         last = MOE["n_layer"] - 1
-        # the last layer: at most the last row's top-k, guessed once (not every expert
-        # for each ubatch, as each one's 256 rows would route to)
-        assert 0 < queued[last] <= MOE["n_expert_used"]
+        if name == "moe":
+            # llama.cpp runs this family's last layer on the output rows only: at most
+            # the last row's top-k, guessed once (not every expert for each ubatch, as
+            # each one's 256 rows would route to)
+            assert st._last_cut is True
+            assert 0 < queued[last] <= MOE["n_expert_used"]
+        else:
+            # gpt-oss's last layer runs every row: learned at the first ubatch (read on
+            # demand there), then read ahead for all the rows of the three after it
+            assert st._last_cut is False
+            assert queued[last] > 2 * MOE["n_expert_used"]
         assert queued[0] >= 4 * (MOE["n_expert"] if name == "moe" else OSS["n_expert"])
         assert st.summary()["spec_useful"] > 0
     finally:
         s.close()
         ref.close()
+
+
+def test_prompt_batches_keep_the_first_layers(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's batches loop over the layers, every layer asked for nearly all of its
+    experts at every ubatch: they keep the first streamed layers where the cache has room
+    for them beside two layers' batch sets (`_start_prompt_keep`), so later ubatches and
+    the next prompt find them cached. An 8-layer gpt-oss model under a 3 MiB cache (a
+    batch's layer is 0.8 MiB: one kept); a 900-token prompt in four ubatches of 256, then
+    a follow-up prompt. The tokens and last logits stay the resident engine's; with
+    keeping on, layer 0 is cached whole after each prompt and the prompts read fewer
+    bytes than with `BMOE_PROMPT_KEEP=0`."""
+    model = make_model(tmp_path / "oss8.gguf", arch="gpt-oss", **dict(OSS, n_layer=8))
+    long = [{"role": "user", "content": "Tell me about the weather in every city. " * 45}]
+    sizes = {"batch-size": 512, "ubatch-size": 256, "ctx-size": 2048}
+    ref = Session(model, dict(BASE, **sizes))
+    try:
+        want = turn(ref, long, n=1)[0]
+        want_logits = ref.logits_row().tobytes()
+        text = "".join(ref.token_text(t) for t in want)
+        follow = long + [{"role": "assistant", "content": text},
+                         {"role": "user", "content": "And tomorrow, in the evening? " * 20}]
+        want2 = turn(ref, follow, n=1)[0]
+        want2_logits = ref.logits_row().tobytes()
+    finally:
+        ref.close()
+    reads: dict[str, tuple[float, float]] = {}
+    for keep in ("on", "0"):
+        monkeypatch.setenv(streamer_mod.KEEP_ENV, keep)
+        s = open_session(model, **STREAM, **{"cache-mb": 3, **sizes})
+        try:
+            st = s.streamer
+            assert isinstance(st, ExpertStreamer) and isinstance(st.cache, ExpertCache)
+            got, summary, _ = turn(s, long, n=1)
+            assert summary["n_prompt"] > 768                   # four ubatches
+            assert got == want and s.logits_row().tobytes() == want_logits
+            first = st.summary()["prefill_read_mib"]
+            if keep == "on":
+                assert st.load_info["prompt_keeps"] == "on: layer 0 (1 of 8, 1 MiB)"
+                assert st.summary()["prompt_keeps"] == st.load_info["prompt_keeps"]
+                assert st.cache.resident[0].all()
+            else:
+                assert st.load_info["prompt_keeps"] == "off: BMOE_PROMPT_KEEP=0"
+            got2, _, _ = turn(s, follow, n=1)
+            assert got2 == want2 and s.logits_row().tobytes() == want2_logits
+            reads[keep] = (first, st.summary()["prefill_read_mib"])
+            if keep == "on":
+                assert st.cache.resident[0].all()
+            figures = st.summary()
+            assert figures["cache_resident_mib"] <= figures["cache_budget_mib"]
+        finally:
+            s.close()
+    # each later pass of the first prompt and the whole follow-up skip layer 0
+    assert reads["on"][0] < reads["0"][0] and reads["on"][1] < reads["0"][1], reads
+
+
+def test_prompt_keeping_needs_room_for_three_layers(models: dict[str, Path]) -> None:
+    """A cache with room for fewer than three layers' batch sets keeps none (the layer
+    computing and the next one read ahead need two), and says why; one that holds every
+    expert has nothing to keep."""
+    s = open_session(models["moe-oss"], **STREAM, **{"cache-mb": 2})
+    try:
+        assert isinstance(s.streamer, ExpertStreamer)
+        assert s.streamer.load_info["prompt_keeps"].startswith(
+            "off: the cache (2 MiB) holds fewer than three layers' experts")
+    finally:
+        s.close()
+    s = open_session(models["moe-oss"], **STREAM, **{"cache-mb": 8})
+    try:
+        assert isinstance(s.streamer, ExpertStreamer)
+        assert s.streamer.load_info["prompt_keeps"] == "off: the cache holds every expert"
+    finally:
+        s.close()
 
 
 def test_prefill_read_ahead_needs_room_for_two_layers(models: dict[str, Path]) -> None:

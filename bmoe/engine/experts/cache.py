@@ -229,6 +229,44 @@ class ExpertCache:
             if mode == 1:
                 self.resident_bytes = real + (self.resident_bytes - self.budget)
 
+    def admit_keeping(self, layer: int, ids: np.ndarray, keep: np.ndarray,
+                      spec: bool = False) -> Admission:
+        """`admit` (with `spec`, `admit_spec`) that takes no victim from the layers `keep`
+        marks (a bool per layer; `layer` itself aside), where the other layers can make all
+        the room its misses need; else the plain admission.
+
+        A prompt's batches ask every layer for most of its experts in turn, layer after
+        layer and batch after batch: a loop. On a loop longer than the cache, evicting the
+        least recently (or least likely soon) used keeps only what is asked last, and every
+        unit is read again at every pass; keeping a fixed part (here the first layers)
+        makes that part a hit at every pass, as the offline optimum on a loop does. The
+        kept layers are also the next prompt's first: it starts computing at once."""
+        rows = np.asarray(keep, dtype=bool).copy()
+        rows[layer] = False
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if rows.any() and (self.resident[rows] & ~self.pinned[rows]).any():
+            miss = ~self.resident[layer, ids]
+            if spec:
+                miss &= ~self.pinned[layer, ids]
+            over = self.resident_bytes + int(self.unit_bytes[layer]) * int(miss.sum()) \
+                - self.budget
+            room = True
+            if over > 0:
+                ok = self.resident & ~self.pinned
+                if spec:                 # the last demand's units stay too
+                    ok &= self.stamp < self.demand_tick
+                ok[rows] = False
+                ok[layer, ids] = False
+                room = int(self.bytes_of[ok].sum()) >= over
+            if room:
+                np.copyto(self._saved_pin, self.pinned)
+                self.pinned[rows] = True
+                try:
+                    return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+                finally:
+                    np.copyto(self.pinned, self._saved_pin)
+        return self.admit_spec(layer, ids) if spec else self.admit(layer, ids)
+
     def _own_pin(self, layer: int, ids: np.ndarray, share: int) -> int:
         """What `admit_own` does before its admission, in numpy (`cachepick.own_pin` is the
         same in C): `pinned` saved, then 1 (the layer holds its share and can evict as

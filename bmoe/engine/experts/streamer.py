@@ -116,6 +116,7 @@ PREFILL_BATCH = 512          # the session's PREFILL_CHUNK: tokens per ubatch at
 FILL_PRIO = 1 << 20          # a background fill's reads: after every token's and guess's
 _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
 SLOTS_ENV = "BMOE_EXPERT_SLOTS"   # "0": no expert slots (`_start_slots`), where they work
+KEEP_ENV = "BMOE_PROMPT_KEEP"     # "0": prompt batches keep no layers (`_start_prompt_keep`)
 # families whose MoE graph reads the routing only in the weights' gather and the expert
 # matmuls (no per-expert biases): checked on their graphs (docs/expert-cache.md)
 SLOT_ARCHS = frozenset({"qwen3moe"})
@@ -199,6 +200,10 @@ class ExpertStreamer:
         # computing, taken when its first streamed layer is routed
         self._ubatches: list[tuple[int, int, int]] = []
         self._ub: tuple[int, int, int] | None = None
+        # whether the model's last layer runs only a ubatch's output rows (llama.cpp's
+        # graphs cut the other rows before it in most families; gpt-oss's runs them all):
+        # learned at the first ubatch with fewer outputs than rows, taken as cut until then
+        self._last_cut: bool | None = None
         self._busy_at = 0.0
         self._src_unit: dict[int, tuple[int, int]] = {}
         # expert slots (`_start_slots`): the slot each expert of a layer is read into
@@ -210,6 +215,9 @@ class ExpertStreamer:
         self._slots_checked = False                     # the graph's MoE nodes looked at
         self._slots_in_c = False                        # the rewrite in the C callback
         self.slots_note = "off"
+        # the layers a prompt batch takes no room from (`_start_prompt_keep`)
+        self._prompt_keep: np.ndarray | None = None
+        self.keep_note = "off"
         self._populating = False
         self._cb = lc.ggml_backend_sched_eval_callback(self._eval)
         self.native: evalcb.NativeCallback | None = None
@@ -340,6 +348,7 @@ class ExpertStreamer:
         if (self.prefill_ahead and self.budget.mode != "all"
                 and self.budget.bytes < self._expert_bytes):
             self._start_prefill_ahead()
+        self._start_prompt_keep()
         self._start_slots()      # after every start of the queue: slots read on it
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
 
@@ -583,18 +592,22 @@ class ExpertStreamer:
                            f"{'in C' if self._slots_in_c else 'with numpy'}")
 
     def _slot_admit(self, layer: int, ids: np.ndarray, spec: bool) -> Admission:
-        """The cache's admission, for one token's experts kept to the layer's own units
-        with slots on; then each miss paired with a victim of its own layer takes over
-        its slot."""
+        """The cache's admission: a prompt's takes no room from the kept layers
+        (`_start_prompt_keep`), a decode guess's takes it anywhere, and with slots on one
+        token's experts are kept to the layer's own units; then each miss paired with a
+        victim of its own layer takes over its slot."""
         cache = self.cache
         assert isinstance(cache, ExpertCache)
         perm = self._perm
-        if perm is None:
-            return cache.admit_spec(layer, ids) if spec else cache.admit(layer, ids)
-        if len(ids) > self.layout.n_expert_used:      # a prompt batch's: room anywhere
+        batch = len(ids) > self.layout.n_expert_used
+        if self._in_prefill and self._prompt_keep is not None and (batch or perm is None):
+            adm = cache.admit_keeping(layer, ids, self._prompt_keep, spec)
+        elif perm is None or batch:
             adm = cache.admit_spec(layer, ids) if spec else cache.admit(layer, ids)
-        else:                                          # one token's: its layer's own
+        else:
             adm = cache.admit_own(layer, ids, self._slot_share, spec)
+        if perm is None:
+            return adm
         own = [ve for vl, ve in adm.victims if vl == layer]
         self._slot_taken.clear()
         self._slot_in_place.clear()
@@ -688,6 +701,39 @@ class ExpertStreamer:
             f"the next layer's experts, guessed by its router ({len(routers)} of "
             f"{self.layout.n_layer} layers)" if routers else
             "the next layer's experts (every one, when a batch routes to that many)")
+
+    def _start_prompt_keep(self) -> None:
+        """Prompt batches keep the first streamed layers (`ExpertCache.admit_keeping`):
+        as many as the cache holds beside two layers of a batch's experts (the layer
+        computing and the next one read ahead). A long prompt's later ubatches then find
+        those layers cached instead of reading every layer again, and so does the next
+        prompt: its first layers compute at once (an agent's next request, its prefix
+        cached, starts there). `BMOE_PROMPT_KEEP=0` turns it off."""
+        lay = self.layout
+        why = ""
+        one = self._batch_layer_bytes(self.n_ubatch or 1)
+        k = 0
+        if os.environ.get(KEEP_ENV, "").strip() == "0":
+            why = f"{KEEP_ENV}=0"
+        elif not isinstance(self.cache, ExpertCache):
+            why = "no cache"
+        elif self.budget.mode == "all" or self.budget.bytes >= self._expert_bytes:
+            why = "the cache holds every expert"
+        else:
+            k = min(len(self._layer_ids) - 1, self.budget.bytes // max(1, one) - 2)
+            if k < 1:
+                why = (f"the cache ({self.budget.bytes / MIB:.0f} MiB) holds fewer than three "
+                       f"layers' experts of a prompt batch ({one / MIB:.0f} MiB each)")
+        if why:
+            self.keep_note = self.load_info["prompt_keeps"] = f"off: {why}"
+            return
+        keep = np.zeros(lay.n_layer, dtype=bool)
+        keep[self._layer_ids[:k]] = True
+        self._prompt_keep = keep
+        first, last = self._layer_ids[0], self._layer_ids[k - 1]
+        self.keep_note = (f"on: layer {first}" if k == 1 else f"on: layers {first}-{last}") \
+            + f" ({k} of {len(self._layer_ids)}, {k * one / MIB:.0f} MiB)"
+        self.load_info["prompt_keeps"] = self.keep_note
 
     def _settle_file_pages(self, fd: int) -> None:
         """Drop the expert pages llama.cpp's load brought in; pin the dense ones if asked."""
@@ -893,6 +939,10 @@ class ExpertStreamer:
 
     def _routed(self, node: int, layer: int, k: int, n: int, row: int, data: int) -> None:
         """Layer `layer`'s routing, I32 [k, n] with rows `row` bytes apart at `data`."""
+        ub = self._ub
+        if (self._last_cut is None and ub is not None and ub[1] < ub[0]
+                and layer == self.layout.n_layer - 1):
+            self._last_cut = n <= ub[1]
         if n == 0 or k == 0:
             return        # the last layer of a prefill chunk that outputs no logits
         if not data or row < 4 * k or row % 4:
@@ -932,8 +982,8 @@ class ExpertStreamer:
             return self._ensure_queued(layer, ids)
         assert self.cache is not None and self.reader is not None
         t0 = time.perf_counter()
-        adm = self._slot_admit(layer, ids, False) if self._perm is not None else \
-            self.cache.admit(layer, ids)
+        adm = self._slot_admit(layer, ids, False) if isinstance(self.cache, ExpertCache) \
+            else self.cache.admit(layer, ids)
         spare = self._victim_pages(adm.victims)
         reads = self._reads_for(layer, adm.misses, spare)
         for length, pages in spare.items():      # victims whose pages no miss took over
@@ -1055,16 +1105,23 @@ class ExpertStreamer:
         layer's, guessed for the whole batch (`predict.batch_guess`), and return, so
         that they are read while this layer computes; the next layer's routing waits
         only for what is still in flight. Room is made without touching this layer's
-        experts (the cache's `admit_spec`); what does not fit is read on demand."""
+        experts (the cache's `admit_spec`); what does not fit is read on demand. At the
+        last layer, where it runs every row (`_last_cut` False), the next ubatch's first
+        layer is queued instead."""
         assert self._batch_routers is not None and self.queue is not None
         nxt = next((j for j in self._layer_ids if j > layer), None)
-        if nxt is None:
-            return
         t0 = time.perf_counter()
         c = self._turn if self._in_prefill else self._token
         ub = self._ub
-        if ub is not None and nxt == self.layout.n_layer - 1:
-            # llama.cpp's last layer runs only the batch's output rows (its last ones)
+        if nxt is None:         # the last layer, running every row: the next ubatch's
+            if ub is not None and ub[2] and self._last_cut is False:     # first layer
+                self._ahead_first(ub[2])
+                for cc in (c, self._total):
+                    cc.mgmt_s += time.perf_counter() - t0
+            return
+        if ub is not None and nxt == self.layout.n_layer - 1 and self._last_cut is not False:
+            # llama.cpp's last layer runs only the batch's output rows (its last ones), in
+            # most families (`_last_cut`)
             n = ub[1]
             if n == 0:          # none: nothing to read for it; the next ubatch's first
                 if ub[2]:       # layer instead, while this one finishes
@@ -1407,6 +1464,7 @@ class ExpertStreamer:
             "pages_reused_mib": round(self.reader.supply.reused_bytes / MIB, 1)
             if self.reader and self.reader.supply else 0.0,
             "expert_slots": self.slots_note,
+            "prompt_keeps": self.keep_note,
             "slot_swaps": self._slot_swaps,
             "dense_weights": self.dense_mode,
             "dense_resident_frac": self.dense_resident_frac(),
