@@ -20,8 +20,9 @@ ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
              what the plan's larger batch is worth without streaming
   resident-2048  the same with 2,048 (the batch the plan picks on the gpt-oss-120b slice)
   plan-lanes2    the plan with two read lanes instead of four
-  plan-nokeep    the plan with prompt batches keeping no layers (`BMOE_PROMPT_KEEP=0`):
-             the A/B of kept layers (`--agent-mode plan,plan-nokeep`)
+  plan-keep      the plan with prompt batches keeping their first layers
+             (`BMOE_PROMPT_KEEP=1`, off by default): its A/B is `--agent-mode
+             plan,plan-keep`
 
 The cap is `--cap-frac` of the file's size (default 0.4), a fresh memory cgroup per run
 (v1 or v2, `bmoe.machine.cgroup.MemoryCap`). Per run: prefill tokens per second (the
@@ -98,11 +99,11 @@ MODES = {
     # the plan reading the model and permuting MXFP4 experts as they land, where a packed
     # experts file (--pack) would otherwise be read: the A/B of that file
     "plan-unpacked": (["--no-packed-experts"], True),
-    # the plan with prompt batches keeping no layers (BMOE_PROMPT_KEEP=0): every pass of
-    # a prompt's batches, and the next prompt, read every layer again; the A/B of keeping
-    "plan-nokeep": ([], True),
+    # the plan with prompt batches keeping their first layers (BMOE_PROMPT_KEEP=1, off by
+    # default): later ubatches and the next prompt find them cached
+    "plan-keep": ([], True),
 }
-MODE_ENV = {"plan-nokeep": {"BMOE_PROMPT_KEEP": "0"}}
+MODE_ENV = {"plan-keep": {"BMOE_PROMPT_KEEP": "1"}}
 COUNTERS = {"read_bytes": "bmoe:expert_read_bytes_total",
             "ahead_bytes": "bmoe:expert_read_ahead_bytes_total",
             "wait_s": "bmoe:expert_read_wait_seconds_total"}
@@ -286,7 +287,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-agent", action="store_true")
     p.add_argument("--agent-mode", default="plan",
                    help="the streamed servers of the agent's requests, comma-separated "
-                        "(stream, plan, plan-unpacked, plan-nokeep, plan-lanes2), against "
+                        "(stream, plan, plan-unpacked, plan-keep, plan-lanes2), against "
                         "one resident baseline")
     p.add_argument("--pack", action="store_true",
                    help="write the model's packed experts file first (kept beside the "

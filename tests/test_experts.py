@@ -334,13 +334,13 @@ def test_prefill_read_ahead_follows_the_ubatches(models: dict[str, Path], name: 
 def test_prompt_batches_keep_the_first_layers(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's batches loop over the layers, every layer asked for nearly all of its
-    experts at every ubatch: they keep the first streamed layers where the cache has room
-    for them beside two layers' batch sets (`_start_prompt_keep`), so later ubatches and
-    the next prompt find them cached. An 8-layer gpt-oss model under a 3 MiB cache (a
-    batch's layer is 0.8 MiB: one kept); a 900-token prompt in four ubatches of 256, then
-    a follow-up prompt. The tokens and last logits stay the resident engine's; with
-    keeping on, layer 0 is cached whole after each prompt and the prompts read fewer
-    bytes than with `BMOE_PROMPT_KEEP=0`."""
+    experts at every ubatch: asked to (`BMOE_PROMPT_KEEP=1`), they keep the first
+    streamed layers where the cache has room for them beside two layers' batch sets
+    (`_start_prompt_keep`), so later ubatches and the next prompt find them cached. An
+    8-layer gpt-oss model under a 3 MiB cache (a batch's layer is 0.8 MiB: one kept); a
+    900-token prompt in four ubatches of 256, then a follow-up prompt. The tokens and last
+    logits stay the resident engine's; with keeping on, layer 0 is cached whole after
+    each prompt and the prompts read fewer bytes than without."""
     model = make_model(tmp_path / "oss8.gguf", arch="gpt-oss", **dict(OSS, n_layer=8))
     long = [{"role": "user", "content": "Tell me about the weather in every city. " * 45}]
     sizes = {"batch-size": 512, "ubatch-size": 256, "ctx-size": 2048}
@@ -356,7 +356,7 @@ def test_prompt_batches_keep_the_first_layers(tmp_path: Path,
     finally:
         ref.close()
     reads: dict[str, tuple[float, float]] = {}
-    for keep in ("on", "0"):
+    for keep in ("on", "0"):                 # asked for, then not
         monkeypatch.setenv(streamer_mod.KEEP_ENV, keep)
         s = open_session(model, **STREAM, **{"cache-mb": 3, **sizes})
         try:
@@ -371,7 +371,8 @@ def test_prompt_batches_keep_the_first_layers(tmp_path: Path,
                 assert st.summary()["prompt_keeps"] == st.load_info["prompt_keeps"]
                 assert st.cache.resident[0].all()
             else:
-                assert st.load_info["prompt_keeps"] == "off: BMOE_PROMPT_KEEP=0"
+                assert st.load_info["prompt_keeps"] == \
+                    "off: not asked for (BMOE_PROMPT_KEEP=1)"
             got2, _, _ = turn(s, follow, n=1)
             assert got2 == want2 and s.logits_row().tobytes() == want2_logits
             reads[keep] = (first, st.summary()["prefill_read_mib"])
@@ -385,10 +386,20 @@ def test_prompt_batches_keep_the_first_layers(tmp_path: Path,
     assert reads["on"][0] < reads["0"][0] and reads["on"][1] < reads["0"][1], reads
 
 
-def test_prompt_keeping_needs_room_for_three_layers(models: dict[str, Path]) -> None:
-    """A cache with room for fewer than three layers' batch sets keeps none (the layer
-    computing and the next one read ahead need two), and says why; one that holds every
-    expert has nothing to keep."""
+def test_prompt_keeping_needs_room_for_three_layers(models: dict[str, Path],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for, a cache with room for fewer than three layers' batch sets keeps none
+    (the layer computing and the next one read ahead need two), and says why; one that
+    holds every expert has nothing to keep. Not asked for, none is kept."""
+    s = open_session(models["moe-oss"], **STREAM, **{"cache-mb": 3})
+    try:
+        assert isinstance(s.streamer, ExpertStreamer)
+        assert s.streamer.load_info["prompt_keeps"] == \
+            "off: not asked for (BMOE_PROMPT_KEEP=1)"
+        assert s.streamer._prompt_keep is None
+    finally:
+        s.close()
+    monkeypatch.setenv(streamer_mod.KEEP_ENV, "1")
     s = open_session(models["moe-oss"], **STREAM, **{"cache-mb": 2})
     try:
         assert isinstance(s.streamer, ExpertStreamer)

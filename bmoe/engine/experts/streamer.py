@@ -116,7 +116,7 @@ PREFILL_BATCH = 512          # the session's PREFILL_CHUNK: tokens per ubatch at
 FILL_PRIO = 1 << 20          # a background fill's reads: after every token's and guess's
 _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
 SLOTS_ENV = "BMOE_EXPERT_SLOTS"   # "0": no expert slots (`_start_slots`), where they work
-KEEP_ENV = "BMOE_PROMPT_KEEP"     # "0": prompt batches keep no layers (`_start_prompt_keep`)
+KEEP_ENV = "BMOE_PROMPT_KEEP"     # "1": prompt batches keep layers (`_start_prompt_keep`)
 # families whose MoE graph reads the routing only in the weights' gather and the expert
 # matmuls (no per-expert biases): checked on their graphs (docs/expert-cache.md)
 SLOT_ARCHS = frozenset({"qwen3moe"})
@@ -708,13 +708,16 @@ class ExpertStreamer:
         computing and the next one read ahead). A long prompt's later ubatches then find
         those layers cached instead of reading every layer again, and so does the next
         prompt: its first layers compute at once (an agent's next request, its prefix
-        cached, starts there). `BMOE_PROMPT_KEEP=0` turns it off."""
+        cached, starts there). Off unless `BMOE_PROMPT_KEEP=1`: on the gpt-oss-120b slice
+        it cut an agent's second request's reads by a quarter and its waits to nothing,
+        yet that request took longer in 3 alternated pairs of runs (docs/benchmarks.md,
+        session 34), for a reason not found yet."""
         lay = self.layout
         why = ""
         one = self._batch_layer_bytes(self.n_ubatch or 1)
         k = 0
-        if os.environ.get(KEEP_ENV, "").strip() == "0":
-            why = f"{KEEP_ENV}=0"
+        if os.environ.get(KEEP_ENV, "").strip().lower() not in ("1", "on", "yes", "true"):
+            why = f"not asked for ({KEEP_ENV}=1)"
         elif not isinstance(self.cache, ExpertCache):
             why = "no cache"
         elif self.budget.mode == "all" or self.budget.bytes >= self._expert_bytes:
