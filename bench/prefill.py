@@ -39,7 +39,10 @@ token should come within the new tokens' prefill time plus 0.5 s (prefix reuse: 
 re-read that is still cached). The new tokens' prefill time is measured: the same two
 requests on the resident server (no cap, every weight in memory). The bench prints the
 time to the first token, the expert bytes it read (and read ahead), the time its layers
-waited for reads, the bound, and whether it met it.
+waited for reads, the bound, and whether it met it; then the second request's CPU on
+both servers (the compute threads' user and system seconds, the read lanes', the
+threads' involuntary context switches, the process's major page faults and the host's
+TLB shootdowns).
 
 `--pack` writes the model's packed experts file first (its MXFP4 experts already in the
 repacked layout, beside the model: `bmoe-server models pack-experts`), so the streamed
@@ -102,11 +105,16 @@ MODES = {
     # the plan with prompt batches keeping their first layers (BMOE_PROMPT_KEEP=1, off by
     # default): later ubatches and the next prompt find them cached
     "plan-keep": ([], True),
+    # the plan without the cache's pages committed ahead (BMOE_PAGE_RESERVE=0): the first
+    # fill's reads fault fresh pages in, in the read lanes
+    "plan-noreserve": ([], True),
 }
-MODE_ENV = {"plan-keep": {"BMOE_PROMPT_KEEP": "1"}}
+MODE_ENV = {"plan-keep": {"BMOE_PROMPT_KEEP": "1"},
+            "plan-noreserve": {"BMOE_PAGE_RESERVE": "0"}}
 COUNTERS = {"read_bytes": "bmoe:expert_read_bytes_total",
             "ahead_bytes": "bmoe:expert_read_ahead_bytes_total",
-            "wait_s": "bmoe:expert_read_wait_seconds_total"}
+            "wait_s": "bmoe:expert_read_wait_seconds_total",
+            "moved_bytes": "bmoe:expert_pages_moved_bytes_total"}
 
 
 def expert_bytes(model: Path) -> int:
@@ -123,6 +131,56 @@ def counters(url: str) -> dict[str, float]:
     samples = {s.name: s.value for fam in text_string_to_metric_families(text)
                for s in fam.samples}
     return {key: float(samples.get(name, 0.0)) for key, name in COUNTERS.items()}
+
+
+def cpu_sample(pid: int) -> dict[str, float]:
+    """The server's CPU so far, split between its read lanes (threads named `bmoe-read`)
+    and every other thread (the engine, llama.cpp's compute threads, HTTP), user and
+    system seconds; its involuntary context switches; its major page faults (pages read
+    from a file: the model's dense weights on mmap, re-read if the cap's reclaim took
+    them); and the host's TLB shootdowns (interrupts sent to flush another core's page
+    table entries, as page moves do)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"lane_user_s": 0.0, "lane_sys_s": 0.0, "other_user_s": 0.0, "other_sys_s": 0.0,
+           "preempted": 0.0, "tlb_shootdowns": 0.0, "major_faults": 0.0,
+           "minor_faults": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            status = (task / "status").read_text()
+        except OSError:                     # the thread ended while read
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        who = "lane" if comm.startswith("bmoe-read") else "other"
+        out[f"{who}_user_s"] += int(fields[11]) / tick
+        out[f"{who}_sys_s"] += int(fields[12]) / tick
+        for line in status.splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                out["preempted"] += int(line.split()[1])
+    try:                                    # the process's page faults that read a file
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        out["minor_faults"], out["major_faults"] = float(fields[7]), float(fields[9])
+    except OSError:
+        pass
+    for line in Path("/proc/interrupts").read_text().splitlines():
+        if line.strip().startswith("TLB:"):
+            out["tlb_shootdowns"] = float(sum(int(x) for x in line.split()[1:]
+                                              if x.isdigit()))
+    return out
+
+
+def cpu_line(r: dict[str, Any]) -> str:
+    """One request's CPU and page work (`Server.prompt`'s `cpu`, its moved bytes)."""
+    c = r["cpu"]
+    return (f"CPU: compute threads {c['other_user_s']:.2f} user + {c['other_sys_s']:.2f} "
+            f"sys s, read lanes {c['lane_user_s']:.2f} user + {c['lane_sys_s']:.2f} sys s; "
+            f"{c['preempted']:.0f} preemptions, {c['tlb_shootdowns']:.0f} TLB shootdowns; "
+            f"pages moved {r.get('moved_bytes', 0) / MIB:.0f} MiB, "
+            f"{c['minor_faults']:.0f} minor page faults "
+            f"({c['minor_faults'] * 4096 / MIB:.0f} MiB of 4 KiB pages), "
+            f"{c['major_faults']:.0f} major")
 
 
 class Server:
@@ -153,20 +211,33 @@ class Server:
         notes = info.get("streaming_notes") or {}
         self.ahead = str(notes.get("prefill_ahead", "")) if info.get("streaming") else ""
         self.keeps = str(notes.get("prompt_keeps", "")) if info.get("streaming") else ""
+        # the cache's pages committed in the background after the load: an agent's server
+        # has been up a while before its first request, so the requests wait for it
+        self.reserve = str(notes.get("page_reserve", "")) if info.get("streaming") else ""
+        t0 = time.monotonic()
+        while self.reserve == "committing" and time.monotonic() - t0 < args.run_timeout:
+            time.sleep(0.5)
+            state = _wait_loaded(self.url, self.proc, time.monotonic() + 30)
+            self.reserve = str(((state.get("model") or {}).get("streaming_notes") or {})
+                               .get("page_reserve", ""))
 
     def prompt(self, ids: list[int], timeout: float, cache: bool = False) -> dict[str, Any]:
         before = counters(self.url)
+        cpu0 = cpu_sample(self.proc.pid)
         t0 = time.monotonic()
         status, reply = _post(self.url + "/completion",
                               {"prompt": ids, "n_predict": 1, "temperature": 0,
                                "cache_prompt": cache}, timeout)
         wall = time.monotonic() - t0
+        cpu1 = cpu_sample(self.proc.pid)
+        cpu = {k: round(v - cpu0[k], 2) for k, v in cpu1.items()}
         if status != 200 or not isinstance(reply, dict):
             return {"outcome": "failed", "why": str(reply)[:300], "status": status}
         t = reply.get("timings", {})
         return {"outcome": "answered", "wall_s": round(wall, 3),
                 "n_prompt": t.get("prompt_n"), "prefill_s": t.get("prompt_ms", 0.0) / 1e3,
                 "tok_s": t.get("prompt_per_second", 0.0), "cached": reply.get("tokens_cached"),
+                "cpu": cpu,
                 **{k: v - before[k] for k, v in counters(self.url).items()}}
 
     def close(self) -> None:
@@ -198,7 +269,7 @@ def run_mode(mode: str, model: Path, ids: list[int], args: argparse.Namespace) -
             try:
                 res = server.prompt(ids, args.run_timeout)
                 res.update(n_ubatch=server.n_ubatch, prefill_ahead=server.ahead,
-                           prompt_keeps=server.keeps)
+                           prompt_keeps=server.keeps, page_reserve=server.reserve)
             finally:
                 server.close()
         if cap is not None and cap.oom_kills():
@@ -243,7 +314,10 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
         return [{"outcome": "failed", "runs": (base_first, base_second)}]
     out = []
     for mode in args.agent_mode.split(","):
-        cap = MemoryCap(f"bmoe-prefill-agent-{os.getpid()}", limit)
+        # a mode without a cap (resident ones) runs as the baseline did: a repeat of the
+        # baseline within the run shows how much the host moves between runs
+        cap = MemoryCap(f"bmoe-prefill-agent-{os.getpid()}", limit) if MODES[mode][1] \
+            else None
         try:
             try:
                 first, second, ahead, keeps = two_requests(model, mode, cap, ids, new, args)
@@ -251,7 +325,8 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
                 out.append({"outcome": "failed", "server": mode, "why": str(e)})
                 continue
         finally:
-            cap.remove()
+            if cap is not None:
+                cap.remove()
         if any(r["outcome"] != "answered" for r in (first, second)):
             out.append({"outcome": "failed", "server": mode, "runs": (first, second)})
             continue
@@ -266,6 +341,7 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
             "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
             "second_ahead_mib": second["ahead_bytes"] / MIB,
             "second_wait_s": round(second["wait_s"], 3),
+            "second": second, "resident_second": base_second,
             "resident_first_s": base_first["wall_s"], "new_prefill_s": new_s,
             "avg_rate_s": round(avg_s, 3), "bound_s": round(new_s + 0.5, 3),
             "vs_resident": round(second["wall_s"] / new_s, 3) if new_s else 0.0,
@@ -288,7 +364,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--agent-mode", default="plan",
                    help="the streamed servers of the agent's requests, comma-separated "
                         "(stream, plan, plan-unpacked, plan-keep, plan-lanes2), against "
-                        "one resident baseline")
+                        "one resident baseline; a resident mode in the list runs without "
+                        "the cap, a repeat of the baseline")
     p.add_argument("--pack", action="store_true",
                    help="write the model's packed experts file first (kept beside the "
                         "model; plan-unpacked reads the model without it)")
@@ -334,6 +411,9 @@ def main(argv: list[str]) -> int:
                           f"({r['prefill_s']:.1f} s, ubatch {r.get('n_ubatch')}), {read}, "
                           f"{ratio:.3f}x resident",
                           flush=True)
+                    print("  " + cpu_line(r), flush=True)
+                    if r.get("page_reserve"):
+                        print(f"  pages committed ahead: {r['page_reserve']}", flush=True)
                 else:
                     print(f"{mode:9s} {n:6d} tokens: {r['outcome']} {r.get('why', '')}",
                           flush=True)
@@ -358,6 +438,8 @@ def main(argv: list[str]) -> int:
                           f"the first prompt's average rate it would be "
                           f"{a['avg_rate_s']:.2f} s), {a['vs_resident']:.3f}x resident: "
                           f"{'met' if a['met'] else 'MISSED'}", flush=True)
+                    print(f"  second request: {cpu_line(a['second'])}", flush=True)
+                    print(f"  the resident one: {cpu_line(a['resident_second'])}", flush=True)
                 else:
                     print(f"agent: {a['outcome']}: {json.dumps(a)[:400]}", flush=True)
             if args.json:

@@ -110,3 +110,49 @@ def test_a_read_aio_refuses_is_read_again_and_falls_back(
     got, reader = read_slices(model_file, "aio")
     assert got == expected(model_file)
     assert not reader.odirect and "refused" in reader.fallback_reason
+
+
+def _present(addr: int, length: int) -> int:
+    """Pages of [addr, addr + length) in memory now (mincore): no access, no fault."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * (length // PAGE))()
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def test_reserve_commits_pages_that_give_hands_on() -> None:
+    """`PageSupply.reserve` commits plain pages a chunk at a time and keeps them, while
+    the room it is told of holds a chunk and up to its limit; `give` then hands them to
+    a slice, which has every page present without having touched one (its read takes
+    no page fault). A set `stop` ends it before the first chunk."""
+    import threading
+    chunk = 1 << 20
+    sup = PageSupply(enabled=False, park_limit=4 * PAGE, reserve_limit=8 * chunk)
+    room = 3 * chunk
+    try:
+        done, why = sup.reserve(lambda: room - sup.reserve_left, threading.Event(), chunk)
+        assert (done, why) == (3 * chunk, "the cache holds its budget")
+        assert sup.reserve_left == sup.reserved_bytes == 3 * chunk
+        assert len(sup.reserved) == 3 and sup.parked_bytes == 0     # a chunk at a time
+        buf = AnonBuffer(0, 2 * chunk)
+        try:
+            assert _present(buf.base, 2 * chunk) == 0
+            assert sup.give(buf.base, 2 * chunk)
+            assert _present(buf.base, 2 * chunk) == 2 * chunk // PAGE
+            assert sup.reserve_left == chunk and sup.reserve_given_bytes == 2 * chunk
+            assert sup.reused_bytes == 0            # that counts a victim's pages only
+        finally:
+            buf.close()
+        room = 100 * chunk                      # the limit ends it now: 8 chunks in all
+        sup.reserve_limit += PAGE                       # and a tail shorter than a chunk
+        done, why = sup.reserve(lambda: room - sup.reserve_left, threading.Event(), chunk)
+        assert (done, why) == (5 * chunk + PAGE, "reached its limit")
+        assert sup.reserved_bytes == 8 * chunk + PAGE
+        assert sup.reserve_left == 6 * chunk + PAGE
+        stop = threading.Event()
+        stop.set()
+        assert sup.reserve(lambda: room, stop, chunk) == (0, "stopped")
+    finally:
+        sup.close()
+    assert sup.reserve_left == 0 and not sup.reserved

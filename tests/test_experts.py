@@ -17,6 +17,7 @@ import ctypes
 import mmap
 import errno
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -384,6 +385,61 @@ def test_prompt_batches_keep_the_first_layers(tmp_path: Path,
             s.close()
     # each later pass of the first prompt and the whole follow-up skip layer 0
     assert reads["on"][0] < reads["0"][0] and reads["on"][1] < reads["0"][1], reads
+
+
+def test_the_cache_pages_are_committed_ahead_of_the_first_prompt(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that turns over commits its pages in the background after the load
+    (`_start_page_reserve`, `PageSupply.reserve`), within its budget; the first prompt's
+    misses then take those pages instead of faulting fresh ones in the lanes, and its
+    tokens are the resident engine's. `BMOE_PAGE_RESERVE=0` turns it off, and says so; a
+    cache that holds every expert never turns over and commits nothing ahead."""
+    ref = open_session(models["moe-oss"])
+    try:
+        want = turn(ref, QUESTION)[0]
+    finally:
+        ref.close()
+    s = open_session(models["moe-oss"], **STREAM, **{"cache-mb": 3})
+    try:
+        st = s.streamer
+        assert isinstance(st, ExpertStreamer) and st.reader is not None
+        supply = st.reader.supply
+        assert supply is not None and st._reserve is not None
+        st._reserve.join(60)
+        note = st.load_info["page_reserve"]
+        assert re.fullmatch(r"\d+ MiB committed in [\d.]+ s \((the cache holds its budget|"
+                            r"reached its limit)\)", note), note
+        assert 0 < supply.reserved_bytes <= st.budget.bytes
+        assert supply.reserve_left == supply.reserved_bytes        # nothing read yet
+        assert turn(s, QUESTION)[0] == want
+        assert supply.reserve_given_bytes > 0   # the first misses took committed pages
+        # what the cache's slices hold inside their edge pages (budgeted apart), and what
+        # is still parked, stay within the budget
+        inside = sum(buf.interior(int(e) * t.slice_bytes, (int(e) + 1) * t.slice_bytes)[1]
+                     for layer, pairs in st._by_layer.items() for t, buf in pairs
+                     for e in np.flatnonzero(st.cache.resident[layer]))
+        assert 0 < inside
+        assert inside + supply.parked_bytes + supply.reserve_left <= st.budget.bytes
+        assert st.summary()["pages_reserved_mib"] > 0
+    finally:
+        s.close()
+    monkeypatch.setenv(streamer_mod.RESERVE_ENV, "0")
+    s = open_session(models["moe-oss"], **STREAM, **{"cache-mb": 3})
+    try:
+        assert isinstance(s.streamer, ExpertStreamer)
+        assert s.streamer.load_info["page_reserve"] == "off: BMOE_PAGE_RESERVE=0"
+        assert s.streamer._reserve is None
+        assert turn(s, QUESTION)[0] == want
+    finally:
+        s.close()
+    monkeypatch.delenv(streamer_mod.RESERVE_ENV)
+    s = open_session(models["moe-oss"], **STREAM, **{"cache-mb": 8})
+    try:
+        assert isinstance(s.streamer, ExpertStreamer)
+        assert s.streamer.load_info["page_reserve"].startswith("off: ")
+        assert s.streamer._reserve is None
+    finally:
+        s.close()
 
 
 def test_prompt_keeping_needs_room_for_three_layers(models: dict[str, Path],

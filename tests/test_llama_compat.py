@@ -389,8 +389,11 @@ def test_metrics_parse_and_move_by_one_request(srv: ServerProcess) -> None:
                  "bmoe:expert_cache_hits_total", "bmoe:expert_cache_misses_total",
                  "bmoe:expert_read_bytes_total", "bmoe:expert_cache_resident_bytes",
                  "bmoe:expert_cache_budget_bytes", "bmoe:expert_read_wait_seconds_total",
-                 "bmoe:expert_read_ahead_bytes_total"):
+                 "bmoe:expert_read_ahead_bytes_total", "bmoe:expert_pages_moved_bytes_total"):
         assert name in before, name
+    # the bytes the cache handed on from its victims are part of what it read
+    assert 0 <= before["bmoe:expert_pages_moved_bytes_total"] <= \
+        before["bmoe:expert_read_bytes_total"]
     body = complete(srv, prompt="A fresh prompt for the metrics test", n_predict=7,
                     cache_prompt=False, temperature=0)
     after = scrape(srv)

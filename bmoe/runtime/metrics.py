@@ -221,6 +221,9 @@ def _expert_metrics(session: Any) -> Iterator[Metric]:
     yield _counter("expert_read_ahead_bytes", "Bytes of expert weights read ahead of their "
                    "layer (guessed for a token or a prompt batch), part of expert_read_bytes.",
                    s.get("spec_bytes", 0), b)
+    yield _counter("expert_pages_moved_bytes", "Bytes of committed memory handed from "
+                   "evicted experts to the experts read in their place (reads that took no "
+                   "fresh pages).", s.get("moved_bytes", 0), b)
     yield _gauge("expert_cache_resident_bytes", "Bytes of experts held in the cache.",
                  s.get("resident_bytes", 0), b)
     yield _gauge("expert_cache_budget_bytes", "The expert cache's budget in bytes.",

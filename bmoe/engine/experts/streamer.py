@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -117,6 +118,7 @@ FILL_PRIO = 1 << 20          # a background fill's reads: after every token's an
 _DENSE_SAMPLE_S = 0.5       # mincore over the dense pages at most this often
 SLOTS_ENV = "BMOE_EXPERT_SLOTS"   # "0": no expert slots (`_start_slots`), where they work
 KEEP_ENV = "BMOE_PROMPT_KEEP"     # "1": prompt batches keep layers (`_start_prompt_keep`)
+RESERVE_ENV = "BMOE_PAGE_RESERVE"  # "0": no pages committed ahead of the first fill
 # families whose MoE graph reads the routing only in the weights' gather and the expert
 # matmuls (no per-expert biases): checked on their graphs (docs/expert-cache.md)
 SLOT_ARCHS = frozenset({"qwen3moe"})
@@ -187,6 +189,8 @@ class ExpertStreamer:
         self._batch_routers: dict[int, np.ndarray] | None = None   # set: prefill reads ahead
         self._batch_biases: dict[int, np.ndarray] = {}      # their biases (gpt-oss)
         self._filling: set[tuple[int, int]] = set()    # units a background fill reads
+        self._reserve: threading.Thread | None = None    # `_start_page_reserve`'s thread
+        self._reserve_stop = threading.Event()
         self._fill_units = 0                             # units the fill queued in all
         self._fill_bytes = 0                             # bytes it has read so far
         self.predictor: Predictor | None = None
@@ -329,7 +333,8 @@ class ExpertStreamer:
             self.reader.supply = PageSupply(
                 enabled=bool(self.values.get("huge-pages", False)),
                 park_limit=max((self.layout.unit_bytes(i) for i in self.layout.layers),
-                               default=0))     # one unit: inside the runtime margin
+                               default=0),     # one unit: inside the runtime margin
+                reserve_limit=self.budget.bytes)
         supply = self.reader.supply
         if self.budget.bytes < self.layout.expert_bytes and (supply is None
                                                              or not supply.enabled):
@@ -350,6 +355,7 @@ class ExpertStreamer:
             self._start_prefill_ahead()
         self._start_prompt_keep()
         self._start_slots()      # after every start of the queue: slots read on it
+        self._start_page_reserve()
         self.load_info["attach_s"] = round(time.monotonic() - t0, 3)
 
     def prompt_needs(self, allocs: ContextAllocs) -> PromptNeeds:
@@ -701,6 +707,48 @@ class ExpertStreamer:
             f"the next layer's experts, guessed by its router ({len(routers)} of "
             f"{self.layout.n_layer} layers)" if routers else
             "the next layer's experts (every one, when a batch routes to that many)")
+
+    def _start_page_reserve(self) -> None:
+        """Commit the cache's pages in the background after the load (`PageSupply.reserve`),
+        so that the first fill's misses take committed pages instead of faulting fresh
+        ones in the read lanes: a server's first long prompt is the agent's prefix. The
+        thread runs at the lowest CPU priority: a prompt that comes first is not slowed,
+        its lanes fault in what the reserve has not committed yet. Not with huge pages
+        (the supply commits those itself), nor in a cache that never turns over."""
+        supply = self.reader.supply if self.reader is not None else None
+        why = ""
+        if os.environ.get(RESERVE_ENV, "1") == "0":
+            why = f"off: {RESERVE_ENV}=0"
+        elif not isinstance(self.cache, ExpertCache) or self.budget.bytes <= 0:
+            why = "off: no expert cache"
+        elif supply is None:
+            why = "off: the cache does not turn over, or its pages are not recycled"
+        elif supply.enabled:
+            why = "off: huge pages commit the cache's pages"
+        if why:
+            self.load_info["page_reserve"] = why
+            return
+        assert supply is not None and isinstance(self.cache, ExpertCache)
+        cache = self.cache
+
+        def room() -> int:
+            return (int(self.budget.bytes) - int(cache.resident_bytes) - supply.parked_bytes
+                    - supply.reserve_left)
+
+        def run() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass
+            t0 = time.monotonic()
+            done, why = supply.reserve(room, self._reserve_stop)
+            self.load_info["page_reserve"] = (
+                f"{round(done / MIB)} MiB committed in {time.monotonic() - t0:.1f} s "
+                f"({why})")
+
+        self.load_info["page_reserve"] = "committing"
+        self._reserve = threading.Thread(target=run, name="bmoe-reserve", daemon=True)
+        self._reserve.start()
 
     def _start_prompt_keep(self) -> None:
         """Prompt batches keep the first streamed layers (`ExpertCache.admit_keeping`):
@@ -1466,6 +1514,8 @@ class ExpertStreamer:
             if self.reader and self.reader.supply else "",
             "pages_reused_mib": round(self.reader.supply.reused_bytes / MIB, 1)
             if self.reader and self.reader.supply else 0.0,
+            "pages_reserved_mib": round(self.reader.supply.reserve_given_bytes / MIB, 1)
+            if self.reader and self.reader.supply else 0.0,
             "expert_slots": self.slots_note,
             "prompt_keeps": self.keep_note,
             "slot_swaps": self._slot_swaps,
@@ -1539,6 +1589,10 @@ class ExpertStreamer:
     def close(self) -> None:
         self._end_tap()
         self._end_load()
+        self._reserve_stop.set()
+        if self._reserve is not None:
+            self._reserve.join()         # one chunk at most: then the supply may close
+            self._reserve = None
         self.queue = None
         if self.reader is not None:
             # the buffers close after the reader's lanes (later, if a read is stuck)
