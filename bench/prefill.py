@@ -294,6 +294,7 @@ def two_requests(model: Path, mode: str, cap: MemoryCap | None, ids: list[int],
         second = server.prompt(ids + new, args.run_timeout, cache=True)
     finally:
         server.close()
+    first["page_reserve"] = server.reserve
     return first, second, server.ahead, server.keeps
 
 
@@ -341,7 +342,7 @@ def agent_second_request(model: Path, ids: list[int], new: list[int],
             "second_cached": second["cached"], "second_read_mib": second["read_bytes"] / MIB,
             "second_ahead_mib": second["ahead_bytes"] / MIB,
             "second_wait_s": round(second["wait_s"], 3),
-            "second": second, "resident_second": base_second,
+            "first": first, "second": second, "resident_second": base_second,
             "resident_first_s": base_first["wall_s"], "new_prefill_s": new_s,
             "avg_rate_s": round(avg_s, 3), "bound_s": round(new_s + 0.5, 3),
             "vs_resident": round(second["wall_s"] / new_s, 3) if new_s else 0.0,
@@ -438,6 +439,8 @@ def main(argv: list[str]) -> int:
                           f"the first prompt's average rate it would be "
                           f"{a['avg_rate_s']:.2f} s), {a['vs_resident']:.3f}x resident: "
                           f"{'met' if a['met'] else 'MISSED'}", flush=True)
+                    print(f"  first request: {cpu_line(a['first'])}; pages committed "
+                          f"ahead: {a['first'].get('page_reserve') or 'none'}", flush=True)
                     print(f"  second request: {cpu_line(a['second'])}", flush=True)
                     print(f"  the resident one: {cpu_line(a['resident_second'])}", flush=True)
                 else:

@@ -156,3 +156,20 @@ def test_reserve_commits_pages_that_give_hands_on() -> None:
     finally:
         sup.close()
     assert sup.reserve_left == 0 and not sup.reserved
+
+
+def test_a_supply_closed_under_a_running_reserve_stops_it() -> None:
+    """`close` while `reserve` commits from another thread: the reserve ends ("closed")
+    at its next chunk without mapping anything again, and nothing stays kept."""
+    import threading
+    sup = PageSupply(enabled=False, reserve_limit=512 << 20)
+    out: list[tuple[int, str]] = []
+    t = threading.Thread(target=lambda: out.append(
+        sup.reserve(lambda: 1 << 40, threading.Event(), chunk=1 << 20)))
+    t.start()
+    while sup.reserved_bytes < 4 << 20 and t.is_alive():
+        threading.Event().wait(0.001)
+    sup.close()
+    t.join(30)
+    assert not t.is_alive() and out and out[0][1] == "closed", out
+    assert sup.reserve_left == 0 and not sup.reserved and sup._park is None

@@ -390,6 +390,7 @@ class PageSupply:
         self.reserved_bytes = 0         # committed by `reserve` in all
         self.reserve_left = 0           # of them, not given yet
         self.reserve_given_bytes = 0
+        self._closed = False
 
     def give(self, dst: int, length: int) -> bool:
         """Move `length` bytes of fresh committed pages to page-aligned `dst` (replacing
@@ -467,6 +468,8 @@ class PageSupply:
         """A free address range of `length` bytes in the parking mapping (made on first
         use, address space only), or 0."""
         if self._park is None:
+            if self._closed:
+                return 0
             size = 2 * self.park_limit + self.reserve_limit + 64 * PAGE
             try:
                 self._park = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -507,8 +510,8 @@ class PageSupply:
         done = 0
         while not stop.is_set():
             with self._lock:
-                if self._park is None and self.park_limit + self.reserve_limit == 0:
-                    return done, "no room to park pages"
+                if self._closed:
+                    return done, "closed"
                 left = self.reserve_limit - self.reserved_bytes
                 free = room()
                 n = min(chunk, left, free) // PAGE * PAGE
@@ -521,13 +524,14 @@ class PageSupply:
             if _libc.madvise(at, n, _MADV_POPULATE_WRITE) != 0:
                 err = ctypes.get_errno()
                 with self._lock:
-                    if self._park is not None:
-                        self._unpark(at, n)
+                    if self._closed:            # unmapped under the kernel's commit
+                        return done, "closed"
+                    self._unpark(at, n)
                 return done, ("this kernel cannot commit pages ahead (MADV_POPULATE_WRITE "
                               "needs Linux 5.14)" if err == errno.EINVAL
                               else f"committing pages failed ({os.strerror(err)})")
             with self._lock:
-                if self._park is None:          # closed while the kernel committed
+                if self._closed:                # closed while the kernel committed
                     return done, "closed"
                 self.reserved.append((at, n))
                 self.reserve_left += n
@@ -593,6 +597,7 @@ class PageSupply:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._drop()
             self.enabled = False
             self.parked.clear()

@@ -741,7 +741,10 @@ class ExpertStreamer:
             except OSError:
                 pass
             t0 = time.monotonic()
-            done, why = supply.reserve(room, self._reserve_stop)
+            try:
+                done, why = supply.reserve(room, self._reserve_stop)
+            except Exception:       # never left at "committing": misses fault pages in
+                done, why = supply.reserved_bytes, "stopped by an internal error"
             self.load_info["page_reserve"] = (
                 f"{round(done / MIB)} MiB committed in {time.monotonic() - t0:.1f} s "
                 f"({why})")
