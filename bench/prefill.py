@@ -23,6 +23,10 @@ ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
   plan-keep      the plan with prompt batches keeping their first layers
              (`BMOE_PROMPT_KEEP=1`, off by default): its A/B is `--agent-mode
              plan,plan-keep`
+  plan-noreserve the plan without the cache's pages committed ahead of its first fill
+             (`BMOE_PAGE_RESERVE=0`): a fresh server's first prompt faults them in,
+             in the read lanes; the other streamed modes wait for that commit before
+             their first request
 
 The cap is `--cap-frac` of the file's size (default 0.4), a fresh memory cgroup per run
 (v1 or v2, `bmoe.machine.cgroup.MemoryCap`). Per run: prefill tokens per second (the
