@@ -712,8 +712,8 @@ class ExpertStreamer:
         """Commit the cache's pages in the background after the load (`PageSupply.reserve`),
         so that the first fill's misses take committed pages instead of faulting fresh
         ones in the read lanes: a server's first long prompt is the agent's prefix. The
-        thread runs at the lowest CPU priority: a prompt that comes first is not slowed,
-        its lanes fault in what the reserve has not committed yet. Not with huge pages
+        thread runs at the lowest CPU priority, to yield the cores to a prompt that comes
+        first (not measured yet); that prompt's lanes fault in what is not committed yet. Not with huge pages
         (the supply commits those itself), nor in a cache that never turns over."""
         supply = self.reader.supply if self.reader is not None else None
         why = ""
