@@ -26,7 +26,7 @@ ids to `/completion` (`n_predict` 1, greedy, no cached prefix):
   plan-noreserve the plan without the cache's pages committed ahead of its first fill
              (`BMOE_PAGE_RESERVE=0`): a fresh server's first prompt faults them in,
              in the read lanes; the other streamed modes wait for that commit before
-             their first request
+             their first request (`--no-reserve-wait`: they do not)
 
 The cap is `--cap-frac` of the file's size (default 0.4), a fresh memory cgroup per run
 (v1 or v2, `bmoe.machine.cgroup.MemoryCap`). Per run: prefill tokens per second (the
@@ -219,7 +219,8 @@ class Server:
         # has been up a while before its first request, so the requests wait for it
         self.reserve = str(notes.get("page_reserve", "")) if info.get("streaming") else ""
         t0 = time.monotonic()
-        while self.reserve == "committing" and time.monotonic() - t0 < args.run_timeout:
+        while (self.reserve == "committing" and not args.no_reserve_wait
+               and time.monotonic() - t0 < args.run_timeout):
             time.sleep(0.5)
             state = _wait_loaded(self.url, self.proc, time.monotonic() + 30)
             self.reserve = str(((state.get("model") or {}).get("streaming_notes") or {})
@@ -374,6 +375,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--pack", action="store_true",
                    help="write the model's packed experts file first (kept beside the "
                         "model; plan-unpacked reads the model without it)")
+    p.add_argument("--no-reserve-wait", action="store_true",
+                   help="send the first request as soon as the model is loaded, while the "
+                        "cache's pages are still being committed (a prompt that comes "
+                        "straight after the server starts)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--run-timeout", type=float, default=3600.0)
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the model file")
