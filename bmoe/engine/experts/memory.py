@@ -384,7 +384,8 @@ class PageSupply:
         self._park: mmap.mmap | None = None
         self._park_base = 0
         self._park_free: list[tuple[int, int]] = []     # free (start, length), by start
-        # plain pages committed ahead of the cache's first fill (`reserve`), parked too
+        # plain pages committed ahead of the cache's first fill (`reserve`): in the parking
+        # mapping, kept apart from a victim's parked pages, given after them
         self.reserve_limit = max(0, reserve_limit) // PAGE * PAGE
         self.reserved: list[tuple[int, int]] = []
         self.reserved_bytes = 0         # committed by `reserve` in all

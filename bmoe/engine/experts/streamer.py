@@ -714,8 +714,8 @@ class ExpertStreamer:
         ones in the read lanes: a server's first long prompt is the agent's prefix. The
         thread runs at the lowest CPU priority, to yield the cores to a prompt that comes
         first (on the gpt-oss-120b slice that prompt was level with and without it); its
-        lanes fault in what is not committed yet. Not with huge pages
-        (the supply commits those itself), nor in a cache that never turns over."""
+        lanes fault in what is not committed yet. Not with huge pages (the supply commits
+        those itself), nor in a cache that never turns over."""
         supply = self.reader.supply if self.reader is not None else None
         why = ""
         if os.environ.get(RESERVE_ENV, "1") == "0":
